@@ -1,0 +1,77 @@
+// The one binding file: exposes the z3ext concepts (claims, handles, units, the gather engine).
+#include <torch/csrc/utils/pybind.h>
+#include "engine.h"
+
+namespace py = pybind11;
+using namespace z3ext;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "deepspeed_z3ext C++ ops: pooled coalesced all-gather, claims, release on last claim";
+#ifdef Z3EXT_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  py::register_exception<ClaimError>(m, "ClaimError", PyExc_RuntimeError);
+
+  py::enum_<ClaimKind>(m, "ClaimKind")
+      .value("FORWARD", ClaimKind::Forward)
+      .value("BACKWARD", ClaimKind::Backward)
+      .value("GATHERED", ClaimKind::Gathered)
+      .value("FALLBACK", ClaimKind::Fallback)
+      .value("PERSIST", ClaimKind::Persist)
+      .value("DIRECT", ClaimKind::Direct);
+
+  py::enum_<ParamState>(m, "ParamState")
+      .value("PARTITIONED", ParamState::Partitioned)
+      .value("GATHERED", ParamState::Gathered);
+
+  py::class_<ParamHandle, HandlePtr>(m, "ParamHandle")
+      .def_readonly("name", &ParamHandle::name)
+      .def_readonly("ds_id", &ParamHandle::ds_id)
+      .def_readonly("numel", &ParamHandle::numel)
+      .def_readonly("persist", &ParamHandle::persist)
+      .def_property_readonly("state", &ParamHandle::state)
+      .def_property_readonly("claims", [](const ParamHandle& h) {
+        py::list out;
+        for (const auto& c : h.claims.items()) out.append(py::make_tuple(c.kind, c.owner));
+        return out;
+      });
+
+  py::class_<FetchUnit, std::shared_ptr<FetchUnit>>(m, "FetchUnit")
+      .def(py::init<std::vector<HandlePtr>>())
+      .def_property_readonly("numel", &FetchUnit::numel)
+      .def("__len__", [](const FetchUnit& u) { return u.handles.size(); })
+      .def_property_readonly("handles", [](const FetchUnit& u) { return u.handles; });
+
+  py::class_<GatherEngine, std::shared_ptr<GatherEngine>>(m, "GatherEngine")
+      .def(py::init<int64_t, py::object, py::object>(), py::arg("pool_budget_bytes"),
+           py::arg("status_available"), py::arg("status_not_available"))
+      .def("make_handle", &GatherEngine::make_handle)
+      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
+           py::arg("strict") = false)
+      .def("reshard", &GatherEngine::reshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
+           py::arg("strict") = false, py::arg("also_direct") = false)
+      .def("drop_kinds", &GatherEngine::drop_kinds)
+      .def("sweep", &GatherEngine::sweep)
+      .def("write_back", &GatherEngine::write_back)
+      .def("destroy", &GatherEngine::destroy)
+      .def_property_readonly("handles", &GatherEngine::handles)
+      .def("stats", [](const GatherEngine& e) {
+        const auto& s = e.stats();
+        const auto& p = e.pool_stats();
+        py::dict d;
+        d["live_bytes"] = s.live_bytes;
+        d["peak_live_bytes"] = s.peak_live_bytes;
+        d["gathered_params"] = s.gathered_params;
+        d["released_params"] = s.released_params;
+        d["collectives"] = s.collectives;
+        d["pool_cached_bytes"] = p.cached_bytes;
+        d["pool_budget_bytes"] = e.pool_budget_bytes();
+        d["pool_acquired"] = p.acquired;
+        d["pool_reused"] = p.reused;
+        d["pool_orphaned"] = p.orphaned;
+        d["pool_evicted"] = p.evicted;
+        return d;
+      });
+}

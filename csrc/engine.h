@@ -1,0 +1,253 @@
+// GatherEngine: per-DeepSpeed-engine owner of handles, the buffer pool and the gather stream.
+// One call per fetch unit gathers (unshard) or releases (reshard); no Python loop per parameter.
+#pragma once
+#include <map>
+#include "collectives.h"
+#include "pool.h"
+#include "unit.h"
+
+namespace z3ext {
+
+struct EngineStats {
+  int64_t live_bytes = 0;       // bytes of gathered buckets currently held
+  int64_t peak_live_bytes = 0;
+  int64_t gathered_params = 0;  // parameters made full since creation
+  int64_t released_params = 0;
+  int64_t collectives = 0;      // all-gathers issued
+};
+
+class GatherEngine {
+ public:
+  static constexpr Claim kPersist{ClaimKind::Persist, 0};
+
+  GatherEngine(int64_t pool_budget_bytes, py::object status_available, py::object status_not_available)
+      : pool_(pool_budget_bytes),
+        available_(std::move(status_available)),
+        not_available_(std::move(status_not_available)) {}
+
+  HandlePtr make_handle(py::object param, std::string name, int64_t ds_id, int64_t numel,
+                        int64_t partition_numel, std::vector<int64_t> shape,
+                        c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t rank, int64_t world, bool persist) {
+    auto h = std::make_shared<ParamHandle>();
+    h->tensor = param.cast<at::Tensor>();
+    h->param = std::move(param);
+    h->name = std::move(name);
+    h->ds_id = ds_id;
+    h->numel = numel;
+    h->partition_numel = partition_numel;
+    h->shape = std::move(shape);
+    h->group = std::move(group);
+    h->rank = rank;
+    h->world = world;
+    h->persist = persist;
+    handles_.push_back(h);
+    return h;
+  }
+
+  // Claims every parameter of `unit` for (kind, owner) and gathers those that are partitioned.
+  // Strict: an existing identical claim is an error. Returns the number of parameters gathered.
+  int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool strict) {
+    const Claim c{kind, owner};
+    if (strict)
+      for (const auto& h : unit.handles)
+        if (h->claims.holds(c))
+          throw ClaimError("z3ext: " + h->describe() + " is already claimed by " + claim_kind_name(kind) +
+                           " owner " + std::to_string(owner) + "; overlapping claims by one owner are not allowed");
+    std::vector<ParamHandle*> need;
+    for (const auto& h : unit.handles) {
+      if (!h->claims.holds(c)) h->claims.add(c);
+      if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
+      if (!h->bucket) need.push_back(h.get());
+    }
+    if (!need.empty()) gather(need);
+    return static_cast<int64_t>(need.size());
+  }
+
+  // Drops (kind, owner) from every parameter of `unit`; releases those left without claims.
+  // Strict: dropping a claim that is not held is an error. `also_direct` drops Direct claims too
+  // (a module release ends what a direct all_gather of its parameters started, as in stock).
+  int64_t reshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool strict, bool also_direct) {
+    const Claim c{kind, owner};
+    if (strict)
+      for (const auto& h : unit.handles)
+        if (!h->claims.holds(c))
+          throw ClaimError("z3ext: " + h->describe() + " is not claimed by " + claim_kind_name(kind) + " owner " +
+                           std::to_string(owner) + " (claims: " + h->describe_claims() + ")");
+    int64_t released = 0;
+    for (const auto& h : unit.handles) {
+      h->claims.remove(c);
+      if (also_direct) h->claims.remove_kind(ClaimKind::Direct);
+      if (h->claims.empty() && h->bucket) {
+        release(*h);
+        ++released;
+      }
+    }
+    return released;
+  }
+
+  // Drops every claim of `kinds` (any owner) from the unit's parameters; releases the unclaimed.
+  int64_t drop_kinds(const FetchUnit& unit, const std::vector<ClaimKind>& kinds) {
+    int64_t released = 0;
+    for (const auto& h : unit.handles) {
+      for (auto k : kinds) h->claims.remove_kind(k);
+      if (h->claims.empty() && h->bucket) {
+        release(*h);
+        ++released;
+      }
+    }
+    return released;
+  }
+
+  // Drops every claim of `kinds` held on any parameter of this engine; releases the unclaimed.
+  int64_t sweep(const std::vector<ClaimKind>& kinds) {
+    int64_t released = 0;
+    for (const auto& h : handles_) {
+      for (auto k : kinds) h->claims.remove_kind(k);
+      if (h->claims.empty() && h->bucket) {
+        release(*h);
+        ++released;
+      }
+    }
+    return released;
+  }
+
+  // Writes each gathered parameter's current full value into this rank's partition (ds_tensor).
+  void write_back(const FetchUnit& unit) {
+    for (const auto& h : unit.handles) {
+      if (!h->bucket) continue;
+      at::Tensor part = h->param.attr("ds_tensor").cast<at::Tensor>();
+      at::Tensor full = h->tensor.detach().reshape({-1});
+      int64_t start = h->rank * h->partition_numel;
+      if (start >= h->numel) continue;
+      int64_t n = std::min(h->partition_numel, h->numel - start);
+      at::NoGradGuard no_grad;
+      part.reshape({-1}).narrow(0, 0, n).copy_(full.narrow(0, start, n));
+    }
+  }
+
+  // Releases everything: every claim dropped, every bucket back, the pool emptied.
+  void destroy() {
+    for (const auto& h : handles_) {
+      h->claims.clear();
+      if (h->bucket) release(*h);
+    }
+    handles_.clear();
+    pool_.clear();
+  }
+
+  const EngineStats& stats() const { return stats_; }
+  const PoolStats& pool_stats() const { return pool_.stats(); }
+  int64_t pool_budget_bytes() const { return pool_.budget_bytes(); }
+  const std::vector<HandlePtr>& handles() const { return handles_; }
+
+ private:
+  // Gathers `params` (all partitioned), grouped by (process group, dtype, device) in ds_id order.
+  void gather(const std::vector<ParamHandle*>& params) {
+    std::vector<std::vector<ParamHandle*>> groups;
+    std::vector<std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string>> keys;
+    std::vector<at::Tensor> parts(params.size());
+    std::map<ParamHandle*, at::Tensor> part_of;
+    for (auto* h : params) {
+      at::Tensor part = h->param.attr("ds_tensor").cast<at::Tensor>();
+      if (part.numel() != h->partition_numel)
+        throw std::runtime_error("z3ext: " + h->describe() + " has a partition of " + std::to_string(part.numel()) +
+                                 " elements, expected " + std::to_string(h->partition_numel) +
+                                 " (quantized or offloaded-to-NVMe partitions are not supported)");
+      part_of[h] = part;
+      auto key = std::make_tuple(h->group.get(), part.scalar_type(), h->tensor.device().str());
+      auto it = std::find(keys.begin(), keys.end(), key);
+      if (it == keys.end()) {
+        keys.push_back(key);
+        groups.push_back({h});
+      } else {
+        groups[it - keys.begin()].push_back(h);
+      }
+    }
+    for (auto& g : groups) gather_group(g, part_of);
+  }
+
+  void gather_group(const std::vector<ParamHandle*>& params, std::map<ParamHandle*, at::Tensor>& part_of) {
+    at::NoGradGuard no_grad;
+    ParamHandle& first = *params.front();
+    const at::Device device = first.tensor.device();
+    const at::ScalarType dtype = part_of[&first].scalar_type();
+    const int64_t world = first.world;
+    int64_t per_rank = 0;
+    for (auto* h : params) per_rank += h->partition_numel;
+
+    auto bucket = std::make_shared<Bucket>();
+    // Allocated on the compute stream: see [Note: z3ext streams].
+    at::Tensor staging = pool_.acquire(world * per_rank, dtype, device);
+    at::Tensor bucket_buf;
+    const bool single = params.size() == 1;
+    if (!single) bucket_buf = pool_.acquire(world * per_rank, dtype, device);
+    Fence ready;
+    stream_.run(device, [&] {
+      at::Tensor mine = staging.narrow(0, first.rank * per_rank, per_rank);
+      int64_t off = 0;
+      for (auto* h : params) {
+        mine.narrow(0, off, h->partition_numel).copy_(part_of[h].reshape({-1}), /*non_blocking=*/true);
+        off += h->partition_numel;
+      }
+      if (world > 1) {
+        all_gather_into(*first.group, staging, mine);
+        stats_.collectives++;
+      }
+      if (!single) {
+        // Rank-major [world, per_rank] -> parameter-major: one strided copy per parameter.
+        at::Tensor src = staging.view({world, per_rank});
+        int64_t soff = 0, doff = 0;
+        for (auto* h : params) {
+          bucket_buf.narrow(0, doff, world * h->partition_numel)
+              .view({world, h->partition_numel})
+              .copy_(src.narrow(1, soff, h->partition_numel));
+          soff += h->partition_numel;
+          doff += world * h->partition_numel;
+        }
+      }
+      ready = Fence::record_current(device);
+    });
+    ready.wait_on_current(device);
+    if (!single) {
+      pool_.give_back(staging, ready);
+    } else {
+      bucket_buf = staging;
+    }
+    bucket->buffer = bucket_buf;
+    int64_t doff = 0;
+    for (auto* h : params) {
+      h->tensor.set_data(bucket_buf.narrow(0, doff, h->numel).view(h->shape));
+      h->param.attr("ds_status") = available_;
+      h->bucket = bucket;
+      bucket->live++;
+      doff += world * h->partition_numel;
+    }
+    stats_.gathered_params += static_cast<int64_t>(params.size());
+    stats_.live_bytes += bucket_buf.numel() * bucket_buf.element_size();
+    stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
+  }
+
+  void release(ParamHandle& h) {
+    const at::Device device = h.tensor.device();
+    h.tensor.set_data(at::empty({0}, h.tensor.options()));
+    h.param.attr("ds_status") = not_available_;
+    std::shared_ptr<Bucket> bucket = std::move(h.bucket);
+    h.bucket.reset();
+    stats_.released_params++;
+    if (--bucket->live == 0) {
+      stats_.live_bytes -= bucket->buffer.numel() * bucket->buffer.element_size();
+      at::Tensor buf = std::move(bucket->buffer);
+      bucket->buffer.reset();
+      pool_.give_back(std::move(buf), Fence::record_current(device));
+    }
+  }
+
+  BufferPool pool_;
+  GatherStream stream_;
+  py::object available_;
+  py::object not_available_;
+  std::vector<HandlePtr> handles_;
+  EngineStats stats_;
+};
+
+}  // namespace z3ext

@@ -1,0 +1,64 @@
+// ParamHandle: one ZeRO-3 parameter as z3ext sees it: its claims and, while gathered, the bucket
+// whose buffer its `.data` views.
+#pragma once
+#include <pybind11/pybind11.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <memory>
+#include <sstream>
+#include "claim.h"
+#include "device.h"
+
+namespace z3ext {
+namespace py = pybind11;
+
+// Raised (as z3ext.ClaimError, a RuntimeError) for a duplicate claim or a drop without a claim.
+struct ClaimError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A flat buffer shared by the parameters gathered together; back to the pool when `live` hits 0.
+struct Bucket {
+  at::Tensor buffer;
+  int live = 0;
+};
+
+enum class ParamState : uint8_t { Partitioned = 0, Gathered = 1 };
+
+struct ParamHandle {
+  py::object param;             // the nn.Parameter (ds_status is written back on it)
+  at::Tensor tensor;            // the same parameter, for set_data
+  std::string name;
+  int64_t ds_id = 0;
+  int64_t numel = 0;            // ds_numel
+  int64_t partition_numel = 0;  // ds_tensor.ds_numel (padded numel / world)
+  std::vector<int64_t> shape;   // ds_shape
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  int64_t rank = 0;
+  int64_t world = 1;
+  bool persist = false;  // ds_persist: every gather also takes a Persist claim
+  ClaimSet claims;
+  std::shared_ptr<Bucket> bucket;  // set while gathered
+
+  ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "parameter '" << name << "' (ds_id " << ds_id << ")";
+    return s.str();
+  }
+  std::string describe_claims() const {
+    std::ostringstream s;
+    s << "[";
+    bool first = true;
+    for (const auto& c : claims.items()) {
+      s << (first ? "" : ", ") << claim_kind_name(c.kind) << ":" << c.owner;
+      first = false;
+    }
+    s << "]";
+    return s.str();
+  }
+};
+
+using HandlePtr = std::shared_ptr<ParamHandle>;
+
+}  // namespace z3ext

@@ -1,0 +1,21 @@
+"""deepspeed_z3ext: ZeRO-3 parameter gather and release owned by C++ ops and explicit claims.
+
+    import deepspeed, deepspeed_z3ext
+    engine, *_ = deepspeed.initialize(..., config={..., "zero_optimization": {"stage": 3}, "z3ext": True})
+
+The first import JIT-builds the ops (cached afterwards). Without a "z3ext" section DeepSpeed is
+unchanged.
+"""
+from deepspeed_z3ext._ops import ops as _ops
+from deepspeed_z3ext.attach import install as _install
+from deepspeed_z3ext.config import Z3extConfig, Z3extConfigError
+from deepspeed_z3ext.stats import Z3extStats, stats
+
+__version__ = "0.1.0"
+
+_ops()  # build or load now, so a broken toolchain fails at import with instructions
+ClaimError = _ops().ClaimError
+ClaimKind = _ops().ClaimKind
+_install()
+
+__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extConfigError", "ClaimError", "ClaimKind"]

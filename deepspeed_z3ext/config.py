@@ -1,0 +1,74 @@
+"""The `"z3ext"` section of a DeepSpeed config, validated by z3ext itself.
+
+DeepSpeed ignores unknown top-level keys, so without this a misspelt option would be dropped
+silently. `true` is shorthand for `{"enabled": true}`.
+"""
+from typing import Any, Optional
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError
+
+SECTION = "z3ext"
+
+
+class Z3extConfigError(ValueError):
+    """A `z3ext` config problem; the message names the key."""
+
+
+class Z3extConfig(DeepSpeedConfigModel):
+    enabled: bool = False
+    """Let z3ext own ZeRO-3 parameter gather and release for this engine."""
+
+    pool_budget_mb: int = Field(1024, ge=0)
+    """Bytes (in MiB) of released gather buffers kept for reuse; 0 disables reuse."""
+
+    leak_check: bool = False
+    """At the end of each optimizer step, raise naming every non-persistent parameter still
+    gathered without a claim other than persistence."""
+
+
+def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
+    """Returns the validated section, or None when the config has none (DeepSpeed unchanged)."""
+    if SECTION not in param_dict:
+        return None
+    raw: Any = param_dict[SECTION]
+    if isinstance(raw, bool):
+        raw = {"enabled": raw}
+    if not isinstance(raw, dict):
+        raise Z3extConfigError(f'"{SECTION}" must be true/false or an object, got {type(raw).__name__}: {raw!r}')
+    try:
+        return Z3extConfig(**raw)
+    except ValidationError as e:
+        problems = "; ".join(f'"{SECTION}.{".".join(str(p) for p in err["loc"])}": {err["msg"]}' for err in e.errors())
+        raise Z3extConfigError(f"invalid z3ext config: {problems}") from None
+
+
+# Options z3ext cannot honour yet: (where in the config, how to read it, why).
+def unsupported_options(ds_config) -> list:
+    """Names the enabled DeepSpeed options z3ext refuses, from a parsed `DeepSpeedConfig`."""
+    zc = ds_config.zero_config
+    found = []
+
+    if getattr(zc, "zero_hpz_partition_size", 1) > 1:
+        found.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ)")
+    if getattr(zc, "zero_quantized_weights", False):
+        found.append("zero_optimization.zero_quantized_weights (ZeRO++ qwZ)")
+    if getattr(zc, "zero_quantized_nontrainable_weights", False):
+        found.append("zero_optimization.zero_quantized_nontrainable_weights")
+    if getattr(zc, "zenflow", None) is not None:
+        found.append("zero_optimization.zenflow (ZenFlow)")
+    if getattr(getattr(zc, "offload_optimizer", None), "super_offload", False):
+        found.append("zero_optimization.offload_optimizer.super_offload (SuperOffload)")
+    if (getattr(zc, "module_granularity_threshold", 0) or 0) > 0:
+        found.append("zero_optimization.stage3_module_granularity_threshold > 0")
+    if getattr(zc, "use_all_reduce_for_fetch_params", False):
+        found.append("zero_optimization.use_all_reduce_for_fetch_params")
+    op = getattr(zc, "offload_param", None)
+    if op is not None and str(getattr(op, "device", "none")).endswith("nvme"):
+        found.append('zero_optimization.offload_param.device = "nvme" (NVMe parameter offload)')
+    if getattr(ds_config, "torch_autocast_enabled", False):
+        found.append("torch_autocast.enabled")
+    compile_cfg = getattr(ds_config, "compile_config", None)
+    if compile_cfg is not None and getattr(compile_cfg, "deepcompile", False):
+        found.append("compile.deepcompile (DeepCompile)")
+    return found

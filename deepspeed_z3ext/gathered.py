@@ -1,0 +1,63 @@
+"""GatheredParameters on z3ext parameters: a Gathered claim owned by the context.
+
+[Note: gathered claims] The block claims its parameters strictly (an overlapping nested block is an
+error naming the parameter) and drops the claim on exit, even when the body or the exit raises. A
+parameter that a module or autograd also claims stays gathered after the block; one that only the
+block claimed is released. With `modifier_rank`, that rank's values are broadcast and written back
+into every rank's partition before the claim is dropped. Parameters of no z3ext engine take
+DeepSpeed's own path.
+"""
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+from deepspeed_z3ext.state import STATE_ATTR
+
+_stock_enter = GatheredParameters.__enter__
+_stock_exit = GatheredParameters.__exit__
+
+
+def _split(ctx):
+    """(z3ext state, its params) when the block's parameters all belong to one z3ext engine."""
+    if not ctx.enabled:
+        return None, None
+    states = {id(getattr(p, STATE_ATTR, None)): getattr(p, STATE_ATTR, None) for p in ctx.params}
+    if len(states) != 1 or None in states.values():
+        if any(s is not None for s in states.values()):
+            raise RuntimeError("z3ext: a GatheredParameters block mixes parameters of different engines (or of "
+                               "z3ext and stock ZeRO-3); gather them in separate blocks")
+        return None, None
+    return next(iter(states.values())), ctx.params
+
+
+def _enter(self):
+    state, params = _split(self)
+    if state is None:
+        return _stock_enter(self)
+    from deepspeed_z3ext._ops import ops
+    self._z3ext_unit = state.unit_of(params)
+    self._z3ext_state = state
+    state.engine.unshard(self._z3ext_unit, ops().ClaimKind.GATHERED, id(self), strict=True)
+
+
+def _exit(self, *exc):
+    state = getattr(self, "_z3ext_state", None)
+    if state is None:
+        return _stock_exit(self, *exc)
+    from deepspeed_z3ext._ops import ops
+    try:
+        if self.src_rank is not None:
+            handles = [
+                dist.broadcast(p.data, self.src_rank_by_group[id(p.ds_process_group)], group=p.ds_process_group,
+                               async_op=True) for p in self.params
+            ]
+            for h in handles:
+                h.wait()
+            state.engine.write_back(self._z3ext_unit)
+    finally:
+        self._z3ext_state = None
+        state.engine.reshard(self._z3ext_unit, ops().ClaimKind.GATHERED, id(self), strict=True)
+
+
+def install():
+    GatheredParameters.__enter__ = _enter
+    GatheredParameters.__exit__ = _exit

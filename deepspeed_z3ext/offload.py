@@ -1,0 +1,37 @@
+"""Z3extZeRoOffload: DeepSpeed's ZeRO-3 parameter manager with gather and release owned by z3ext.
+
+DeepSpeed keeps partitioning, its module hooks, gradient reduce-scatter, the optimizer and
+checkpoints; the coordinator behind the hooks and the per-parameter entry points are z3ext's.
+"""
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.utils import log_dist
+
+from deepspeed_z3ext.coordinator import Z3extCoordinator
+from deepspeed_z3ext.state import Z3extState
+
+
+class Z3extZeRoOffload(DeepSpeedZeRoOffload):
+
+    def __init__(self, module, timers, ds_config, *args, **kwargs):
+        # Set by the dispatching __new__ (attach.py), which parsed the "z3ext" section.
+        z3ext_config = self.__dict__.pop("_z3ext_pending_config")
+        super().__init__(module, timers, ds_config, *args, **kwargs)
+        self.z3ext = Z3extState(self.module, z3ext_config)
+        self.param_coordinator = Z3extCoordinator(self.z3ext)
+        log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
+                 ranks=[0])
+
+    def partition_all_parameters(self):
+        self.get_param_coordinator().release_and_reset_all(self.module)
+        held = [h.name for h in self.z3ext.engine.handles if h.state.name == "GATHERED"]
+        if held:  # only GatheredParameters blocks may still hold parameters here
+            for p in self.z3ext.params:
+                if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and getattr(p, "_z3ext_handle").name not in held:
+                    raise RuntimeError(f"z3ext: {p.ds_summary()} expected to be released")
+
+    def destroy(self):
+        super().destroy()
+        if getattr(self, "z3ext", None) is not None:
+            self.z3ext.destroy()
+            self.z3ext = None

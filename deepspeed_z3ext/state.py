@@ -1,0 +1,96 @@
+"""Z3extState: everything z3ext holds for one DeepSpeed engine.
+
+[Note: per-engine state] The C++ GatherEngine (handles, claims, pool, gather stream) is created per
+engine; parameters point at their handle through `param._z3ext_handle`, so re-wrapping a model with a
+new engine re-points them and the old engine's state is unreachable from the model. Nothing is
+process-global except the class-level seams installed once at import (see attach.py).
+"""
+import torch
+import torch.distributed as tdist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+from deepspeed.utils import z3_leaf_module
+
+from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext import entry
+
+HANDLE_ATTR = "_z3ext_handle"
+STATE_ATTR = "_z3ext_state"
+
+
+def _group_of(param):
+    group = getattr(param, "ds_process_group", None)
+    return group if group is not None else tdist.group.WORLD
+
+
+class Z3extState:
+
+    def __init__(self, module: torch.nn.Module, config):
+        self.config = config
+        self.module = module
+        self.engine = ops().GatherEngine(config.pool_budget_mb << 20, ZeroParamStatus.AVAILABLE,
+                                         ZeroParamStatus.NOT_AVAILABLE)
+        self._units = {}  # module ds_id -> (n external params, FetchUnit)
+        self.params = []
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p in module.parameters():
+            self._adopt(p, names.get(id(p), f"<ds_id {p.ds_id}>"))
+
+    def _adopt(self, param, name):
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            # Gathered by stock code before attach (e.g. GatheredParameters at load time).
+            param.partition()
+        group = _group_of(param)
+        handle = self.engine.make_handle(param, name, param.ds_id, param.ds_numel, param.ds_tensor.ds_numel,
+                                         list(param.ds_shape), group, tdist.get_rank(group),
+                                         tdist.get_world_size(group), bool(param.ds_persist))
+        setattr(param, HANDLE_ATTR, handle)
+        setattr(param, STATE_ATTR, self)
+        entry.take_over(param, self)
+        self.params.append(param)
+
+    def owns(self, param) -> bool:
+        return getattr(param, STATE_ATTR, None) is self
+
+    def unit_of(self, params):
+        handles = []
+        for p in params:
+            h = getattr(p, HANDLE_ATTR, None)
+            if h is None or not self.owns(p):
+                raise RuntimeError(f"z3ext: parameter {getattr(p, 'ds_id', '?')} with shape "
+                                   f"{tuple(getattr(p, 'ds_shape', p.shape))} does not belong to this engine")
+            handles.append(h)
+        return ops().FetchUnit(handles)
+
+    def unit_for(self, module):
+        """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters."""
+        n_ext = len(module._external_params) if hasattr(module, "_external_params") else 0
+        cached = self._units.get(id(module))
+        if cached is not None and cached[0] == n_ext:
+            return cached[1]
+        params = [p for p in iter_params(module, recurse=z3_leaf_module(module)) if self.owns(p)]
+        unit = self.unit_of(params)
+        self._units[id(module)] = (n_ext, unit)
+        return unit
+
+    def destroy(self):
+        """Drops every claim, returns every buffer, hands the parameters back to stock DeepSpeed."""
+        self.engine.destroy()
+        for p in self.params:
+            if self.owns(p):
+                entry.give_back(p)
+                delattr(p, HANDLE_ATTR)
+                delattr(p, STATE_ATTR)
+        self.params = []
+        self._units.clear()
+
+    def check_leaks(self, when):
+        """Raises naming every non-persistent parameter still held by a forward, backward or direct
+        claim (the kinds a finished step must have ended)."""
+        leaked = [
+            f"{h.name} {[(k.name.lower(), o) for k, o in h.claims]}" for h in self.engine.handles
+            if h.state.name == "GATHERED" and not h.persist and any(k.name in ("FORWARD", "BACKWARD", "DIRECT")
+                                                                  for k, _ in h.claims)
+        ]
+        if leaked:
+            raise RuntimeError(f"z3ext leak check ({when}): parameters still gathered: " + "; ".join(leaked))

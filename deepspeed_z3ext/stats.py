@@ -1,0 +1,42 @@
+"""`deepspeed_z3ext.stats(engine)`: what z3ext holds for an engine right now."""
+from typing import Dict, List, NamedTuple, Tuple
+
+
+class Z3extStats(NamedTuple):
+    live_bytes: int                 # bytes of gathered buffers z3ext holds now
+    peak_live_bytes: int
+    gathered: List[str]             # names of parameters gathered now
+    claims: Dict[str, List[Tuple[str, int]]]  # parameter name -> [(claim kind, owner)], claimed ones only
+    collectives: int                # all-gathers issued since the engine was created
+    gathered_params: int            # parameter gathers since creation
+    pool_cached_bytes: int          # released buffers kept for reuse
+    pool_budget_bytes: int
+    pool_reused: int
+    pool_orphaned: int              # buffers not reused because another reader still held them
+
+
+def state_of(engine):
+    """The Z3extState of a DeepSpeedEngine (or of its optimizer / DeepSpeedZeRoOffload)."""
+    opt = getattr(engine, "optimizer", engine)
+    offload = getattr(opt, "parameter_offload", opt)
+    state = getattr(offload, "z3ext", None)
+    if state is None:
+        raise ValueError("z3ext is not enabled for this engine: add \"z3ext\": true to its DeepSpeed config "
+                         "(with zero_optimization.stage 3) and import deepspeed_z3ext before deepspeed.initialize")
+    return state
+
+
+def stats(engine) -> Z3extStats:
+    state = state_of(engine)
+    s = state.engine.stats()
+    gathered, claims = [], {}
+    for h in state.engine.handles:
+        if h.state.name == "GATHERED":
+            gathered.append(h.name)
+        cs = h.claims
+        if cs:
+            claims[h.name] = [(k.name.lower(), owner) for k, owner in cs]
+    return Z3extStats(live_bytes=s["live_bytes"], peak_live_bytes=s["peak_live_bytes"], gathered=gathered,
+                      claims=claims, collectives=s["collectives"], gathered_params=s["gathered_params"],
+                      pool_cached_bytes=s["pool_cached_bytes"], pool_budget_bytes=s["pool_budget_bytes"],
+                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"])

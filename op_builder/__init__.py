@@ -1,0 +1,1 @@
+from .z3ext import Z3extOpBuilder, OpBuildError  # noqa: F401

@@ -1,0 +1,76 @@
+"""Runs a function on N real ranks (spawned processes, gloo on CPU or NCCL on GPUs).
+
+A rank that raises fails the test with its traceback; a rank that hangs is killed at the timeout,
+so a collective mismatch shows up as a named failure, never as a hung CI job.
+"""
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
+    import faulthandler
+    faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=False)  # a hang prints its stacks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    if backend == "gloo":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        import torch
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        import deepspeed
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        result = fn(**kwargs)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_on_ranks(fn, world_size=2, backend="gloo", timeout=600, **kwargs):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, kwargs, queue, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    import queue as q
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except q.Empty:
+                raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(results))} "
+                                     f"did not finish within {timeout}s (hang?)")
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,92 @@
+"""Small models and training loops shared by the tests (and the CPU demo in the bench)."""
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+
+    def __init__(self, vocab=64, hidden=32, heads=4, layers=2, seq=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(torch.randn(seq, hidden) * 0.02)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, dims=1).flatten())
+
+
+def ds_config(z3ext=False, persistence=None, mel=True, ga=2, extra=None, zero_extra=None):
+    zero = {"stage": 3, "memory_efficient_linear": mel}
+    if persistence is not None:
+        zero["stage3_param_persistence_threshold"] = persistence
+    zero.update(zero_extra or {})
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if z3ext:
+        cfg["z3ext"] = z3ext
+    cfg.update(extra or {})
+    return cfg
+
+
+def build_engine(config, model_fn=TinyGPT, seed=1234, inside_init=True, model=None):
+    import deepspeed
+    torch.manual_seed(seed)
+    if model is None:
+        if inside_init:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = model_fn()
+        else:
+            model = model_fn()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def batch(step, rank, vocab=64, seq=16, bsz=2):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (bsz, seq), generator=g)
+
+
+def full_params(engine):
+    """Every parameter's full value, by name (gathered through GatheredParameters)."""
+    import deepspeed
+    out = {}
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for n, p in engine.module.named_parameters():
+            out[n] = p.detach().clone()
+    return out
