@@ -1,0 +1,459 @@
+"""Headline benchmark: the all-gather limit, unsharded model, stock ZeRO-3, z3ext and FSDP2, side by side.
+
+    python bench/gather_release.py            # GPUs: one rank per visible GPU; no GPU: 2 CPU ranks (gloo)
+    torchrun --nproc_per_node N bench/gather_release.py
+
+All systems live in the same processes and are measured in interleaved rounds (median over rounds),
+so drift hits them alike. On CPU the numbers only show host overhead (gather/release bookkeeping),
+not what a GPU run would show.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2")
+
+
+# ---------------------------------------------------------------------------------------------- models
+class GPTBlock(nn.Module):
+
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, vocab, hidden, layers, heads):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(GPTBlock(hidden, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+
+
+class LinearStack(nn.Module):
+    """Many small parameters: the host-bound case (issue target: 200 x Linear(64, 64))."""
+
+    def __init__(self, n, width):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x.square().mean()
+
+
+def make_model(a):
+    if a.model == "gpt":
+        return GPT(a.vocab, a.hidden, a.layers, a.heads)
+    return LinearStack(a.layers, a.hidden)
+
+
+def make_input(a, device, tiny=False):
+    g = torch.Generator().manual_seed(7)
+    if a.model == "gpt":
+        shape = (1, 8) if tiny else (a.micro_batch, a.seq)
+        return torch.randint(0, a.vocab, shape, generator=g).to(device)
+    rows = 1 if tiny else a.micro_batch * a.seq
+    return torch.randn(rows, a.hidden, generator=g).to(device)
+
+
+# ---------------------------------------------------------------------------------------------- systems
+def ds_config(a, z3ext):
+    cfg = {
+        "train_micro_batch_size_per_gpu": a.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": a.persistence,
+            "stage3_prefetch_bucket_size": a.prefetch_bucket,
+            "stage3_max_live_parameters": a.max_live,
+            "overlap_comm": True,
+        },
+        "steps_per_print": 10**9,
+    }
+    if a.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if z3ext:
+        cfg["z3ext"] = True
+    return cfg
+
+
+class System:
+    """One way of running the model: `forward(x)`, `backward(loss)`, `step()`."""
+
+    def __init__(self, name, model, forward, backward, step, resident):
+        self.name, self.model, self.forward, self.backward, self.step = name, model, forward, backward, step
+        self.resident = resident
+
+
+def _opt(params, a, device):
+    return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+
+def build_system(name, a, device):
+    import deepspeed
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if name in ("stock", "z3ext"):
+        cfg = ds_config(a, name == "z3ext")
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = make_model(a)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                          optimizer=lambda ps: _opt(ps, a, device))
+        sys_ = System(name, engine, engine, engine.backward, engine.step, 0)
+    elif name == "unsharded":
+        model = make_model(a).to(device=device, dtype=dtype)
+        opt = _opt(model.parameters(), a, device)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        sys_ = System(name, model, model, lambda loss: loss.backward(), step, 0)
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        model = make_model(a).to(device=device)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if a.dtype == "bf16" else None
+        kw = {"mp_policy": mp} if mp else {}
+        for blk in model.blocks:
+            fully_shard(blk, **kw)
+        fully_shard(model, **kw)
+        opt = _opt(model.parameters(), a, device)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        sys_ = System(name, model, model, lambda loss: loss.backward(), step, 0)
+    else:
+        raise ValueError(name)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        sys_.resident = torch.cuda.memory_allocated() - mem0
+    return sys_
+
+
+# ---------------------------------------------------------------------------------------------- timing
+class Clock:
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def now(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def time_train_step(s, x, clock):
+    t0 = clock.now()
+    loss = s.forward(x)
+    t1 = clock.now()
+    s.backward(loss)
+    t2 = clock.now()
+    s.step()
+    t3 = clock.now()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+
+def time_tiny_forward(s, x, clock):
+    with torch.no_grad():
+        t0 = clock.now()
+        s.forward(x)
+        return (clock.now() - t0) * 1e3
+
+
+def raw_all_gather(a, device, unit_bytes, total_bytes, repeats):
+    """The limit: all-gather of the model's bytes in the benchmark's unit sizes (nccl-tests algbw)."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    elt = 2 if a.dtype == "bf16" else 4
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    numel = max(unit_bytes // elt // world, 1)
+    n_units = max(total_bytes // (numel * world * elt), 1)
+    out = torch.empty(numel * world, dtype=dtype, device=device)
+    inp = out.narrow(0, dist.get_rank() * numel, numel)
+    clock = Clock(device)
+    times = []
+    for i in range(repeats + 2):
+        t0 = clock.now()
+        for _ in range(n_units):
+            dist.all_gather_into_tensor(out, inp)
+        t = (clock.now() - t0) * 1e3
+        if i >= 2:
+            times.append(t)
+    ms = statistics.median(times)
+    algbw = n_units * out.numel() * elt / (ms / 1e3) / 1e9
+    return dict(ms=ms, units=n_units, unit_bytes=out.numel() * elt, algbw_GBps=algbw,
+                busbw_GBps=algbw * (world - 1) / world)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    p.add_argument("--model", choices=["gpt", "linear"], default="gpt" if gpu else "linear")
+    p.add_argument("--layers", type=int, default=16 if gpu else 200)
+    p.add_argument("--hidden", type=int, default=2048 if gpu else 64)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=2048 if gpu else 4)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16" if gpu else "fp32")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per system per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over all steps)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--persistence", type=int, default=0 if not gpu else 100000)
+    p.add_argument("--prefetch-bucket", type=int, default=50_000_000)
+    p.add_argument("--max-live", type=int, default=1_000_000_000)
+    p.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on CPU)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny and fast (CI)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.layers, a.steps, a.rounds, a.warmup = min(a.layers, 20), 2, 1, 1
+    return a
+
+
+def machine_name(world, device):
+    if device.type == "cuda":
+        return f"{world}x{torch.cuda.get_device_name(0).replace(' ', '-')}"
+    return f"{world}xCPU-gloo"
+
+
+def nvml_snapshot():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out.append(dict(sm_clock_MHz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                            power_W=pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+                            used_MiB=pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20))
+        return out
+    except Exception as e:  # no NVML (CPU machine)
+        return str(e)
+
+
+def run(a):
+    import deepspeed
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    names = [s for s in a.systems.split(",") if s]
+    systems, skipped = {}, {}
+    for n in names:
+        try:
+            systems[n] = build_system(n, a, device)
+        except Exception as e:  # e.g. FSDP2 unavailable for this device/torch
+            skipped[n] = f"{type(e).__name__}: {e}"[:200]
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in make_model_meta(a).parameters())
+    elt = 2 if a.dtype == "bf16" else 4
+    x, tiny = make_input(a, device), make_input(a, device, tiny=True)
+    clock = Clock(device)
+    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[]) for n in systems}
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=a.rounds * len(systems), disable=rank != 0, desc="bench", file=sys.stdout)
+    except ImportError:
+        bar = None
+    for rnd in range(a.rounds):
+        for n, s in systems.items():  # interleaved: every round runs every system
+            for _ in range(a.warmup if rnd == 0 else 0):
+                time_train_step(s, x, clock)
+                time_tiny_forward(s, tiny, clock)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(a.steps):
+                f, b, o = time_train_step(s, x, clock)
+                samples[n]["fwd"].append(f)
+                samples[n]["bwd"].append(b)
+                samples[n]["opt"].append(o)
+                samples[n]["step"].append(f + b + o)
+                samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
+            if device.type == "cuda":
+                samples[n]["peak"].append(torch.cuda.max_memory_allocated() - base + s.resident)
+            if bar:
+                bar.update(1)
+    if bar:
+        bar.close()
+    unit_bytes = (n_params // max(a.layers, 1)) * elt
+    limit = raw_all_gather(a, device, unit_bytes, n_params * elt, repeats=max(a.rounds * a.steps, 3))
+    result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
+    for n, smp in samples.items():
+        med = {k: statistics.median(v) for k, v in smp.items() if v}
+        if "z3ext" == n:
+            st = deepspeed_z3ext.stats(systems[n].model)
+            med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
+            med["z3ext_collectives"] = st.collectives
+        result["systems"][n] = med
+    # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
+    n_tensors = sum(1 for _ in make_model_meta(a).parameters())
+    n_units = sum(1 for m in make_model_meta(a).modules() if any(True for _ in m.parameters(recurse=False)))
+    for n in ("stock", "z3ext"):
+        if n in result["systems"]:
+            t = result["systems"][n]["tiny"]
+            result["systems"][n]["us_per_unit_tiny_fwd"] = t * 1e3 / n_units
+            result["systems"][n]["us_per_param_tiny_fwd"] = t * 1e3 / n_tensors
+    result["nvml"] = nvml_snapshot() if device.type == "cuda" else None
+    # Rank 0's view; every rank ran the same work in lockstep.
+    return result
+
+
+def make_model_meta(a):
+    with torch.device("meta"):
+        return make_model(a)
+
+
+def table(res, machine):
+    s = res["systems"]
+    lines = [f"# gather_release on {machine}: {res['n_params']/1e6:.1f}M params, world {res['world']}, "
+             f"dtype {res['args']['dtype']}, model {res['args']['model']}",
+             f"# limit: all-gather of the model's bytes in {res['limit']['units']} units of "
+             f"{res['limit']['unit_bytes']/2**20:.2f} MiB: {res['limit']['ms']:.3f} ms "
+             f"(algbw {res['limit']['algbw_GBps']:.1f} GB/s, busbw {res['limit']['busbw_GBps']:.1f} GB/s)",
+             f"{'system':>10} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
+             f"{'peak MiB':>9}"]
+    for n, m in s.items():
+        peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
+        lines.append(f"{n:>10} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak}")
+    for n, why in res["skipped"].items():
+        lines.append(f"{n:>10} skipped: {why}")
+    if "z3ext" in s:
+        z = s["z3ext"]
+        ratios = []
+        for other in ("stock", "fsdp2", "unsharded"):
+            if other in s:
+                ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
+                              f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x")
+        ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/res['limit']['ms']:.2f}x")
+        lines += ["# ratios (< 1 means z3ext is faster)"] + ["  " + r for r in ratios]
+        for n in ("stock", "z3ext"):
+            if n in s:
+                lines.append(f"  {n}: host {s[n]['us_per_unit_tiny_fwd']:.1f} us per fetch unit, "
+                             f"{s[n]['us_per_param_tiny_fwd']:.1f} us per parameter (tiny forward)")
+    return "\n".join(lines)
+
+
+def plot(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    s = res["systems"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(s)
+    bottom = [0.0] * len(names)
+    for part in ("fwd", "bwd", "opt"):
+        vals = [s[n][part] for n in names]
+        ax1.bar(names, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("ms per training step")
+    ax1.legend()
+    model_bytes = res["n_params"] * (2 if res["args"]["dtype"] == "bf16" else 4)
+    bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n in ("stock", "z3ext", "fsdp2")}
+    bw["limit"] = res["limit"]["algbw_GBps"]
+    ax2.bar(list(bw), list(bw.values()))
+    ax2.set_ylabel("achieved gather GB/s (model bytes / tiny forward)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _entry(a):
+    import deepspeed
+    import torch.distributed as dist
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               auto_mpi_discovery=False)
+    res = run(a)
+    if dist.get_rank() == 0:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        machine = machine_name(dist.get_world_size(), device)
+        res["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__,
+                              deepspeed=deepspeed.__version__, python=platform.python_version(),
+                              nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+                              driver=_driver(), cpu=platform.processor() or platform.machine())
+        out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{machine}{'-smoke' if a.smoke else ''}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+        png = plot(res, out.with_suffix(".png"))
+        if device.type == "cpu":
+            print("# CPU run: gloo ranks on CPU show host overhead only, not GPU behaviour")
+        print(table(res, machine))
+        print(f"# wrote {out}" + (f" and {png}" if png else ""))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _driver():
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        return None
+
+
+def _spawned(rank, world, port, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    _entry(parse(argv))
+
+
+def main(argv=None):
+    a = parse(argv)
+    if "RANK" in os.environ:  # under torchrun
+        return _entry(a)
+    world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(world, port, sys.argv[1:] if argv is None else argv), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
