@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2")
+# Optional variants: "z3ext-nohold" (z3ext with hold_for_backward off: re-gathers in backward).
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -88,7 +89,7 @@ def make_input(a, device, tiny=False):
 
 
 # ---------------------------------------------------------------------------------------------- systems
-def ds_config(a, z3ext):
+def ds_config(a, z3ext, z3ext_options=None):
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -104,7 +105,7 @@ def ds_config(a, z3ext):
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if z3ext:
-        cfg["z3ext"] = True
+        cfg["z3ext"] = dict(enabled=True, **(z3ext_options or {}))
     return cfg
 
 
@@ -125,8 +126,8 @@ def build_system(name, a, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    if name in ("stock", "z3ext"):
-        cfg = ds_config(a, name == "z3ext")
+    if name in ("stock", "z3ext", "z3ext-nohold"):
+        cfg = ds_config(a, name != "stock", {"hold_for_backward": False} if name == "z3ext-nohold" else None)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
@@ -318,7 +319,7 @@ def run(a):
     result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
     for n, smp in samples.items():
         med = {k: statistics.median(v) for k, v in smp.items() if v}
-        if "z3ext" == n:
+        if n.startswith("z3ext"):
             st = deepspeed_z3ext.stats(systems[n].model)
             med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
             med["z3ext_collectives"] = st.collectives
@@ -326,7 +327,7 @@ def run(a):
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
     n_units = sum(1 for m in make_model_meta(a).modules() if any(True for _ in m.parameters(recurse=False)))
-    for n in ("stock", "z3ext"):
+    for n in ("stock", "z3ext", "z3ext-nohold"):
         if n in result["systems"]:
             t = result["systems"][n]["tiny"]
             result["systems"][n]["us_per_unit_tiny_fwd"] = t * 1e3 / n_units
@@ -348,13 +349,13 @@ def table(res, machine):
              f"# limit: all-gather of the model's bytes in {res['limit']['units']} units of "
              f"{res['limit']['unit_bytes']/2**20:.2f} MiB: {res['limit']['ms']:.3f} ms "
              f"(algbw {res['limit']['algbw_GBps']:.1f} GB/s, busbw {res['limit']['busbw_GBps']:.1f} GB/s)",
-             f"{'system':>10} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
+             f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
              f"{'peak MiB':>9}"]
     for n, m in s.items():
         peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
-        lines.append(f"{n:>10} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak}")
+        lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak}")
     for n, why in res["skipped"].items():
-        lines.append(f"{n:>10} skipped: {why}")
+        lines.append(f"{n:>12} skipped: {why}")
     if "z3ext" in s:
         z = s["z3ext"]
         ratios = []
@@ -364,7 +365,7 @@ def table(res, machine):
                               f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x")
         ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/res['limit']['ms']:.2f}x")
         lines += ["# ratios (< 1 means z3ext is faster)"] + ["  " + r for r in ratios]
-        for n in ("stock", "z3ext"):
+        for n in ("stock", "z3ext", "z3ext-nohold"):
             if n in s:
                 lines.append(f"  {n}: host {s[n]['us_per_unit_tiny_fwd']:.1f} us per fetch unit, "
                              f"{s[n]['us_per_param_tiny_fwd']:.1f} us per parameter (tiny forward)")
@@ -389,7 +390,7 @@ def plot(res, path):
     ax1.set_ylabel("ms per training step")
     ax1.legend()
     model_bytes = res["n_params"] * (2 if res["args"]["dtype"] == "bf16" else 4)
-    bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n in ("stock", "z3ext", "fsdp2")}
+    bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n != "unsharded"}
     bw["limit"] = res["limit"]["algbw_GBps"]
     ax2.bar(list(bw), list(bw.values()))
     ax2.set_ylabel("achieved gather GB/s (model bytes / tiny forward)")

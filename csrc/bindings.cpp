@@ -56,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sweep", &GatherEngine::sweep)
       .def("write_back", &GatherEngine::write_back)
       .def("destroy", &GatherEngine::destroy)
+      .def("live_orphans", &GatherEngine::live_orphans)
       .def_property_readonly("handles", &GatherEngine::handles)
       .def("stats", [](const GatherEngine& e) {
         const auto& s = e.stats();

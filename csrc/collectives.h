@@ -1,12 +1,18 @@
 // Collectives as free functions over a c10d ProcessGroup (NCCL, gloo, anything c10d speaks).
 #pragma once
+#include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace z3ext {
 
 // In-place all-gather: `input` is this rank's slice of `output` (world * input.numel()).
 // Makes the current stream wait for the result (NCCL) or blocks until it is there (gloo).
+// [Note: no GIL while blocked] The GIL is released for the collective: a backend thread that
+// finishes the work may drop the last reference to a tensor or storage that has a Python object,
+// which needs the GIL; holding it while waiting deadlocks (seen with gloo: one rank stuck in
+// wait(), the other in the next collective).
 inline void all_gather_into(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+  pybind11::gil_scoped_release no_gil;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   auto work = group._allgather_base(output, input);

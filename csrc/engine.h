@@ -135,6 +135,20 @@ class GatherEngine {
     pool_.clear();
   }
 
+  // Names of parameters whose released buffers are still referenced outside z3ext (see
+  // [Note: pool reuse hazard]); entries whose storage has since died are forgotten.
+  std::vector<std::string> live_orphans() {
+    std::vector<std::string> names;
+    std::vector<Orphan> alive;
+    for (auto& o : orphans_) {
+      if (o.storage.expired()) continue;
+      names.insert(names.end(), o.names.begin(), o.names.end());
+      alive.push_back(std::move(o));
+    }
+    orphans_ = std::move(alive);
+    return names;
+  }
+
   const EngineStats& stats() const { return stats_; }
   const PoolStats& pool_stats() const { return pool_.stats(); }
   int64_t pool_budget_bytes() const { return pool_.budget_bytes(); }
@@ -220,6 +234,7 @@ class GatherEngine {
       h->param.attr("ds_status") = available_;
       h->bucket = bucket;
       bucket->live++;
+      bucket->names.push_back(h->name);
       doff += world * h->partition_numel;
     }
     stats_.gathered_params += static_cast<int64_t>(params.size());
@@ -238,9 +253,17 @@ class GatherEngine {
       stats_.live_bytes -= bucket->buffer.numel() * bucket->buffer.element_size();
       at::Tensor buf = std::move(bucket->buffer);
       bucket->buffer.reset();
-      pool_.give_back(std::move(buf), Fence::record_current(device));
+      c10::weak_intrusive_ptr<c10::StorageImpl> storage(buf.storage().getWeakStorageImpl());
+      if (!pool_.give_back(std::move(buf), Fence::record_current(device)))
+        orphans_.push_back(Orphan{std::move(bucket->names), std::move(storage)});
     }
   }
+
+  struct Orphan {
+    std::vector<std::string> names;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  };
+  std::vector<Orphan> orphans_;
 
   BufferPool pool_;
   GatherStream stream_;

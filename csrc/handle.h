@@ -20,6 +20,7 @@ struct ClaimError : public std::runtime_error {
 struct Bucket {
   at::Tensor buffer;
   int live = 0;
+  std::vector<std::string> names;  // for leak reports
 };
 
 enum class ParamState : uint8_t { Partitioned = 0, Gathered = 1 };

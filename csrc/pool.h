@@ -39,23 +39,25 @@ class BufferPool {
     return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
   }
 
-  // Takes a buffer back, guarded by `fence` (readers done once it completes).
-  void give_back(at::Tensor buffer, Fence fence) {
+  // Takes a buffer back, guarded by `fence` (readers done once it completes). Returns false when
+  // the buffer was orphaned instead (another reader still holds its storage).
+  bool give_back(at::Tensor buffer, Fence fence) {
     if (buffer.storage().use_count() > 1) {  // see [Note: pool reuse hazard]
       stats_.orphaned++;
-      return;
+      return false;
     }
     int64_t b = bytes(buffer);
     if (b > budget_bytes_) {
       fence.synchronize();
       stats_.evicted++;
-      return;
+      return true;
     }
     while (stats_.cached_bytes + b > budget_bytes_ && evict_one()) {
     }
     Key k{buffer.numel(), buffer.scalar_type(), buffer.device().str()};
     free_[k].push_back(Entry{std::move(buffer), std::move(fence)});
     stats_.cached_bytes += b;
+    return true;
   }
 
   void clear() {

@@ -22,9 +22,13 @@ class Z3extConfig(DeepSpeedConfigModel):
     pool_budget_mb: int = Field(1024, ge=0)
     """Bytes (in MiB) of released gather buffers kept for reuse; 0 disables reuse."""
 
+    hold_for_backward: bool = True
+    """Parameters a module gathered in a grad-enabled forward stay claimed for its backward (no
+    re-gather), while the numel so held stays within `stage3_max_live_parameters`."""
+
     leak_check: bool = False
-    """At the end of each optimizer step, raise naming every non-persistent parameter still
-    gathered without a claim other than persistence."""
+    """At each optimizer step, raise naming every parameter whose released full tensor is still
+    referenced outside z3ext (a leak into the next step), or that is gathered without a claim."""
 
 
 def parse_section(param_dict: dict) -> Optional[Z3extConfig]:

@@ -1,7 +1,7 @@
 """GatheredParameters on z3ext parameters: a Gathered claim owned by the context.
 
-[Note: gathered claims] The block claims its parameters strictly (an overlapping nested block is an
-error naming the parameter) and drops the claim on exit, even when the body or the exit raises. A
+[Note: gathered claims] The block claims its parameters strictly (an overlapping nested block is a
+duplicate claim, an error naming the parameter) and drops the claim on exit, even when the body or the exit raises. A
 parameter that a module or autograd also claims stays gathered after the block; one that only the
 block claimed is released. With `modifier_rank`, that rank's values are broadcast and written back
 into every rank's partition before the claim is dropped. Parameters of no z3ext engine take
@@ -11,6 +11,10 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 from deepspeed_z3ext.state import STATE_ATTR
+
+# All blocks claim as one owner: overlapping blocks are then a duplicate claim (an error naming the
+# parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
+GATHERED_OWNER = 0
 
 _stock_enter = GatheredParameters.__enter__
 _stock_exit = GatheredParameters.__exit__
@@ -36,7 +40,7 @@ def _enter(self):
     from deepspeed_z3ext._ops import ops
     self._z3ext_unit = state.unit_of(params)
     self._z3ext_state = state
-    state.engine.unshard(self._z3ext_unit, ops().ClaimKind.GATHERED, id(self), strict=True)
+    state.engine.unshard(self._z3ext_unit, ops().ClaimKind.GATHERED, GATHERED_OWNER, strict=True)
 
 
 def _exit(self, *exc):
@@ -55,7 +59,7 @@ def _exit(self, *exc):
             state.engine.write_back(self._z3ext_unit)
     finally:
         self._z3ext_state = None
-        state.engine.reshard(self._z3ext_unit, ops().ClaimKind.GATHERED, id(self), strict=True)
+        state.engine.reshard(self._z3ext_unit, ops().ClaimKind.GATHERED, GATHERED_OWNER, strict=True)
 
 
 def install():

@@ -3,6 +3,7 @@
 DeepSpeed keeps partitioning, its module hooks, gradient reduce-scatter, the optimizer and
 checkpoints; the coordinator behind the hooks and the per-parameter entry points are z3ext's.
 """
+import torch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.utils import log_dist
@@ -16,11 +17,21 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
     def __init__(self, module, timers, ds_config, *args, **kwargs):
         # Set by the dispatching __new__ (attach.py), which parsed the "z3ext" section.
         z3ext_config = self.__dict__.pop("_z3ext_pending_config")
+        # DeepSpeed creates a module's backward-hook Functions only if absent, bound to the engine that
+        # made them: drop any left by an earlier engine so backward routes to this one.
+        for m in module.modules():
+            m.__dict__.pop("pre_bwd_fn", None)
+            m.__dict__.pop("post_bwd_fn", None)
         super().__init__(module, timers, ds_config, *args, **kwargs)
         self.z3ext = Z3extState(self.module, z3ext_config)
-        self.param_coordinator = Z3extCoordinator(self.z3ext)
+        self.param_coordinator = Z3extCoordinator(self.z3ext, self.module, self._max_available_parameters_in_numel)
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])
+
+    def post_sub_module_forward_function(self, sub_module):
+        # DeepSpeed's version runs under no_grad; the forward's own grad mode decides whether the
+        # module's parameters are held for its backward ([Note: hold for backward]).
+        self.param_coordinator.release_sub_module(sub_module, forward=True, grad_enabled=torch.is_grad_enabled())
 
     def partition_all_parameters(self):
         self.get_param_coordinator().release_and_reset_all(self.module)

@@ -85,12 +85,12 @@ class Z3extState:
         self._units.clear()
 
     def check_leaks(self, when):
-        """Raises naming every non-persistent parameter still held by a forward, backward or direct
-        claim (the kinds a finished step must have ended)."""
-        leaked = [
-            f"{h.name} {[(k.name.lower(), o) for k, o in h.claims]}" for h in self.engine.handles
-            if h.state.name == "GATHERED" and not h.persist and any(k.name in ("FORWARD", "BACKWARD", "DIRECT")
-                                                                  for k, _ in h.claims)
-        ]
-        if leaked:
-            raise RuntimeError(f"z3ext leak check ({when}): parameters still gathered: " + "; ".join(leaked))
+        """Raises naming parameters gathered without a claim, or whose released full tensor is still
+        referenced outside z3ext (it would leak into the next step)."""
+        unclaimed = [h.name for h in self.engine.handles if h.state.name == "GATHERED" and not h.claims]
+        leaked = self.engine.live_orphans()
+        if unclaimed or leaked:
+            raise RuntimeError(f"z3ext leak check ({when}): " +
+                               (f"gathered without a claim: {unclaimed}; " if unclaimed else "") +
+                               (f"released but still referenced elsewhere (a tensor kept from a forward or a "
+                                f"GatheredParameters block?): {sorted(set(leaked))}" if leaked else ""))

@@ -42,7 +42,7 @@ def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
             pass
 
 
-def run_on_ranks(fn, world_size=2, backend="gloo", timeout=600, **kwargs):
+def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, **kwargs):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -55,12 +55,20 @@ def run_on_ranks(fn, world_size=2, backend="gloo", timeout=600, **kwargs):
     results, errors = {}, []
     import queue as q
     try:
+        import time
+        deadline = time.monotonic() + timeout
         for _ in range(world_size):
-            try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except q.Empty:
-                raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(results))} "
-                                     f"did not finish within {timeout}s (hang?)")
+            while True:
+                try:
+                    rank, ok, payload = queue.get(timeout=1)
+                    break
+                except q.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:  # a crash (e.g. a signal in C++) reports nothing through the queue
+                        raise AssertionError(f"{fn.__name__}: rank(s) died: {dead} (negative = signal)")
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(results))} "
+                                             f"did not finish within {timeout}s (hang?)")
             if ok:
                 results[rank] = payload
             else:

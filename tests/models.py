@@ -66,6 +66,7 @@ def ds_config(z3ext=False, persistence=None, mel=True, ga=2, extra=None, zero_ex
 
 def build_engine(config, model_fn=TinyGPT, seed=1234, inside_init=True, model=None):
     import deepspeed
+    import deepspeed_z3ext  # installs the seams; without it DeepSpeed would ignore "z3ext" silently
     torch.manual_seed(seed)
     if model is None:
         if inside_init:
@@ -74,6 +75,9 @@ def build_engine(config, model_fn=TinyGPT, seed=1234, inside_init=True, model=No
         else:
             model = model_fn()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    wanted = config.get("z3ext") in (True, ) or (isinstance(config.get("z3ext"), dict) and config["z3ext"].get("enabled"))
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    assert bool(wanted) == hasattr(offload, "z3ext"), "z3ext enabled state differs from the config"
     return engine
 
 

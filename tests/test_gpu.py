@@ -66,3 +66,24 @@ def test_gpu_equivalence(dtype, persistence):
             assert r["stock_losses"] == r["z3_losses"]
         else:
             assert r["stock_losses"] == pytest.approx(r["z3_losses"], rel=2e-2)
+
+
+# Ownership cases (2)-(6) of test_ownership.py, on 2 GPUs with NCCL.
+OWNERSHIP_CASES = ["gathered_around_forward", "gathered_nesting", "forward_failures"]
+
+
+@pytest.mark.parametrize("case", OWNERSHIP_CASES)
+def test_gpu_ownership(case):
+    import tests.test_ownership as T
+    checks = {
+        "gathered_around_forward": lambda r: (r["extra_gathers_between"] == 0 and r["z3ext_inside_error"] is None
+                                              and r["z3ext_status_after_backward"] == "NOT_AVAILABLE"
+                                              and r["z3_gathered_after"] == [] and abs(r["z3ext_norm_between"] -
+                                                                                      r["true_norm"]) < 1e-4),
+        "gathered_nesting": lambda r: ("blocks.0.fc1.weight" in (r["overlap_error"] or "") and r["claims_after_overlap"]
+                                       == {} and r["claims_after_body_error"] == {} and r["partition_after_modify"] ==
+                                       [0.25] and r["full_after_modify"] == [0.25]),
+        "forward_failures": lambda r: (r["z3ext_error"] is None and r["z3ext_gathered"] == [] and r["params_equal"]),
+    }
+    for rank, r in enumerate(run_on_ranks(getattr(T, case), backend="nccl")):
+        assert checks[case](r), f"rank {rank}: {r}"
