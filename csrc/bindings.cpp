@@ -12,7 +12,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
-  py::register_exception<ClaimError>(m, "ClaimError", PyExc_RuntimeError);
 
   py::enum_<ClaimKind>(m, "ClaimKind")
       .value("FORWARD", ClaimKind::Forward)
@@ -48,10 +47,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, py::object, py::object>(), py::arg("pool_budget_bytes"),
            py::arg("status_available"), py::arg("status_not_available"))
       .def("make_handle", &GatherEngine::make_handle)
-      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
-           py::arg("strict") = false)
+      .def("conflict", &GatherEngine::conflict, py::arg("unit"), py::arg("kind"), py::arg("owner"),
+           py::arg("to_claim"))
+      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"))
       .def("reshard", &GatherEngine::reshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
-           py::arg("strict") = false, py::arg("also_direct") = false)
+           py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)
       .def("sweep", &GatherEngine::sweep)
       .def("write_back", &GatherEngine::write_back)

@@ -1,7 +1,7 @@
 // Claims: who holds a full parameter. A claim is a (kind, owner) pair.
 // [Note: claims] A parameter is released only when its last claim is dropped. Explicit owners
 // (a GatheredParameters block) claim strictly: the same owner twice is an error naming the
-// parameter. Module hooks claim idempotently, as stock ZeRO-3's `ds_active_sub_modules` set does,
+// parameter (checked through GatherEngine::conflict before claiming). Module hooks claim idempotently, as stock ZeRO-3's `ds_active_sub_modules` set does,
 // because a module may legitimately run its pre-hook again (loops, tied modules) before release.
 #pragma once
 #include <cstdint>

@@ -44,15 +44,26 @@ class GatherEngine {
     return h;
   }
 
-  // Claims every parameter of `unit` for (kind, owner) and gathers those that are partitioned.
-  // Strict: an existing identical claim is an error. Returns the number of parameters gathered.
-  int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool strict) {
+  // Describes the first parameter of `unit` that (kind, owner) cannot claim (already held) or drop
+  // (not held); empty when none. Python raises ClaimError with it: no C++ exception crosses the
+  // binding for a user error (one did crash the CUDA build under torch 2.11's pybind11).
+  std::string conflict(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool to_claim) const {
     const Claim c{kind, owner};
-    if (strict)
-      for (const auto& h : unit.handles)
-        if (h->claims.holds(c))
-          throw ClaimError("z3ext: " + h->describe() + " is already claimed by " + claim_kind_name(kind) +
-                           " owner " + std::to_string(owner) + "; overlapping claims by one owner are not allowed");
+    for (const auto& h : unit.handles) {
+      if (to_claim && h->claims.holds(c))
+        return "z3ext: " + h->describe() + " is already claimed by " + claim_kind_name(kind) + " owner " +
+               std::to_string(owner) + "; overlapping claims by one owner are not allowed";
+      if (!to_claim && !h->claims.holds(c))
+        return "z3ext: " + h->describe() + " is not claimed by " + claim_kind_name(kind) + " owner " +
+               std::to_string(owner) + " (claims: " + h->describe_claims() + ")";
+    }
+    return "";
+  }
+
+  // Claims every parameter of `unit` for (kind, owner) (idempotently) and gathers those that are
+  // partitioned. Returns the number of parameters gathered.
+  int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner) {
+    const Claim c{kind, owner};
     std::vector<ParamHandle*> need;
     for (const auto& h : unit.handles) {
       if (!h->claims.holds(c)) h->claims.add(c);
@@ -64,15 +75,10 @@ class GatherEngine {
   }
 
   // Drops (kind, owner) from every parameter of `unit`; releases those left without claims.
-  // Strict: dropping a claim that is not held is an error. `also_direct` drops Direct claims too
-  // (a module release ends what a direct all_gather of its parameters started, as in stock).
-  int64_t reshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool strict, bool also_direct) {
+  // `also_direct` drops Direct claims too (a module release ends what a direct all_gather of its
+  // parameters started, as in stock).
+  int64_t reshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool also_direct) {
     const Claim c{kind, owner};
-    if (strict)
-      for (const auto& h : unit.handles)
-        if (!h->claims.holds(c))
-          throw ClaimError("z3ext: " + h->describe() + " is not claimed by " + claim_kind_name(kind) + " owner " +
-                           std::to_string(owner) + " (claims: " + h->describe_claims() + ")");
     int64_t released = 0;
     for (const auto& h : unit.handles) {
       h->claims.remove(c);

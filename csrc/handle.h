@@ -11,11 +11,6 @@
 namespace z3ext {
 namespace py = pybind11;
 
-// Raised (as z3ext.ClaimError, a RuntimeError) for a duplicate claim or a drop without a claim.
-struct ClaimError : public std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 // A flat buffer shared by the parameters gathered together; back to the pool when `live` hits 0.
 struct Bucket {
   at::Tensor buffer;

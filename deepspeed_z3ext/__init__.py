@@ -9,12 +9,12 @@ unchanged.
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.attach import install as _install
 from deepspeed_z3ext.config import Z3extConfig, Z3extConfigError
+from deepspeed_z3ext.gathered import ClaimError
 from deepspeed_z3ext.stats import Z3extStats, stats
 
 __version__ = "0.1.0"
 
 _ops()  # build or load now, so a broken toolchain fails at import with instructions
-ClaimError = _ops().ClaimError
 ClaimKind = _ops().ClaimKind
 _install()
 

@@ -12,6 +12,10 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 from deepspeed_z3ext.state import STATE_ATTR
 
+
+class ClaimError(RuntimeError):
+    """A duplicate claim by one owner, or a release without a claim; the message names the parameter."""
+
 # All blocks claim as one owner: overlapping blocks are then a duplicate claim (an error naming the
 # parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
 GATHERED_OWNER = 0
@@ -38,9 +42,13 @@ def _enter(self):
     if state is None:
         return _stock_enter(self)
     from deepspeed_z3ext._ops import ops
-    self._z3ext_unit = state.unit_of(params)
-    self._z3ext_state = state
-    state.engine.unshard(self._z3ext_unit, ops().ClaimKind.GATHERED, GATHERED_OWNER, strict=True)
+    unit = state.unit_of(params)
+    gathered_kind = ops().ClaimKind.GATHERED
+    problem = state.engine.conflict(unit, gathered_kind, GATHERED_OWNER, to_claim=True)
+    if problem:
+        raise ClaimError(problem + " (nested GatheredParameters blocks overlap on it)")
+    self._z3ext_unit, self._z3ext_state = unit, state
+    state.engine.unshard(unit, gathered_kind, GATHERED_OWNER)
 
 
 def _exit(self, *exc):
@@ -59,7 +67,11 @@ def _exit(self, *exc):
             state.engine.write_back(self._z3ext_unit)
     finally:
         self._z3ext_state = None
-        state.engine.reshard(self._z3ext_unit, ops().ClaimKind.GATHERED, GATHERED_OWNER, strict=True)
+        gathered_kind = ops().ClaimKind.GATHERED
+        problem = state.engine.conflict(self._z3ext_unit, gathered_kind, GATHERED_OWNER, to_claim=False)
+        if problem:
+            raise ClaimError(problem)
+        state.engine.reshard(self._z3ext_unit, gathered_kind, GATHERED_OWNER)
 
 
 def install():

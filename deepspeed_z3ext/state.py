@@ -5,6 +5,9 @@ engine; parameters point at their handle through `param._z3ext_handle`, so re-wr
 new engine re-points them and the old engine's state is unreachable from the model. Nothing is
 process-global except the class-level seams installed once at import (see attach.py).
 """
+import atexit
+import weakref
+
 import torch
 import torch.distributed as tdist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -16,6 +19,17 @@ from deepspeed_z3ext import entry
 
 HANDLE_ATTR = "_z3ext_handle"
 STATE_ATTR = "_z3ext_state"
+
+
+# Live states, weakly: at interpreter exit each is torn down while Python and CUDA are still up
+# (its C++ side holds Python objects and CUDA events that must not outlive them).
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _teardown_at_exit():
+    for state in list(_LIVE):
+        state.destroy()
 
 
 def _group_of(param):
@@ -35,6 +49,7 @@ class Z3extState:
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
             self._adopt(p, names.get(id(p), f"<ds_id {p.ds_id}>"))
+        _LIVE.add(self)
 
     def _adopt(self, param, name):
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
@@ -75,6 +90,7 @@ class Z3extState:
 
     def destroy(self):
         """Drops every claim, returns every buffer, hands the parameters back to stock DeepSpeed."""
+        _LIVE.discard(self)
         self.engine.destroy()
         for p in self.params:
             if self.owns(p):

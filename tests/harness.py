@@ -18,6 +18,7 @@ def _free_port():
 
 def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
     import faulthandler
+    faulthandler.enable()  # a crash prints its Python stack
     faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=False)  # a hang prints its stacks
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -34,6 +35,8 @@ def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        queue.close()
+        queue.join_thread()  # the result is out before any teardown
         try:
             import torch.distributed as dist
             if dist.is_initialized():
