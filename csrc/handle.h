@@ -4,7 +4,6 @@
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <memory>
-#include <sstream>
 #include "claim.h"
 #include "device.h"
 
@@ -37,21 +36,16 @@ struct ParamHandle {
 
   ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
 
-  std::string describe() const {
-    std::ostringstream s;
-    s << "parameter '" << name << "' (ds_id " << ds_id << ")";
-    return s.str();
-  }
+  // Plain string concatenation, no iostreams: std::ostringstream crashed (SIGSEGV) in the CUDA
+  // build on the GPU image, whose process loads another libstdc++ than the extension was built with.
+  std::string describe() const { return "parameter '" + name + "' (ds_id " + std::to_string(ds_id) + ")"; }
   std::string describe_claims() const {
-    std::ostringstream s;
-    s << "[";
-    bool first = true;
+    std::string s = "[";
     for (const auto& c : claims.items()) {
-      s << (first ? "" : ", ") << claim_kind_name(c.kind) << ":" << c.owner;
-      first = false;
+      if (s.size() > 1) s += ", ";
+      s += std::string(claim_kind_name(c.kind)) + ":" + std::to_string(c.owner);
     }
-    s << "]";
-    return s.str();
+    return s + "]";
   }
 };
 
