@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FetchUnit, std::shared_ptr<FetchUnit>>(m, "FetchUnit")
       .def(py::init<std::vector<HandlePtr>>())
       .def_property_readonly("numel", &FetchUnit::numel)
+      .def_property_readonly("partitioned", &FetchUnit::partitioned)
       .def("__len__", [](const FetchUnit& u) { return u.handles.size(); })
       .def_property_readonly("handles", [](const FetchUnit& u) { return u.handles; });
 

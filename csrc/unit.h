@@ -15,6 +15,11 @@ struct FetchUnit {
               [](const HandlePtr& a, const HandlePtr& b) { return a->ds_id < b->ds_id; });
     handles.erase(std::unique(handles.begin(), handles.end()), handles.end());
   }
+  int64_t partitioned() const {
+    int64_t n = 0;
+    for (const auto& h : handles) n += h->bucket ? 0 : 1;
+    return n;
+  }
   int64_t numel() const {
     int64_t n = 0;
     for (const auto& h : handles) n += h->numel;

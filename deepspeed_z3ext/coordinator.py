@@ -7,12 +7,17 @@ parameters form one fetch unit: one C++ call claims and gathers it, one call rel
 from deepspeed.runtime.zero import parameter_offload
 
 from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.plan import ForwardPlan
+
+# Owner of the transient claim that carries a coalesced prefetch until each module's own claim is in.
+_PREFETCH_OWNER = -1
 
 
 class Z3extCoordinator:
 
-    def __init__(self, state, root, max_live_numel):
+    def __init__(self, state, root, max_live_numel, prefetch_bucket_numel):
         self.state = state
+        self.plan = ForwardPlan(prefetch_bucket_numel)  # see [Note: forward plan]
         self.root = root
         self.hierarchy = 0  # read and written by the stage-3 optimizer
         # [Note: hold for backward] Autograd's use of a module's parameters in backward is a claim:
@@ -24,7 +29,7 @@ class Z3extCoordinator:
         self._held = {}  # module ds_id -> numel held for its backward
         self._held_numel = 0
         k = ops().ClaimKind
-        self._fwd, self._bwd = k.FORWARD, k.BACKWARD
+        self._fwd, self._bwd, self._direct = k.FORWARD, k.BACKWARD, k.DIRECT
         # Every kind a new outermost forward or an optimizer step ends; Gathered blocks survive both.
         self._step_kinds = [k.FORWARD, k.BACKWARD, k.DIRECT, k.FALLBACK]
         self._all_but_gathered = self._step_kinds + [k.PERSIST]
@@ -59,10 +64,33 @@ class Z3extCoordinator:
         self.state.engine.sweep(self._step_kinds)
         self._forget_held()
         _clean_module_stack()
+        self.plan.start_forward()
 
     def fetch_sub_module(self, sub_module, forward):
-        self.state.engine.unshard(self.state.unit_for(sub_module), self._fwd if forward else self._bwd,
-                                  sub_module.ds_id)
+        unit = self.state.unit_for(sub_module)
+        if forward and len(unit):
+            upcoming = self.plan.observe(sub_module)
+            if upcoming and self.plan.bucket_numel > 0 and unit.partitioned:
+                self._prefetch(unit, upcoming)
+        self.state.engine.unshard(unit, self._fwd if forward else self._bwd, sub_module.ds_id)
+
+    def _prefetch(self, unit, upcoming):
+        """One collective for this unit and the next ones in the plan ([Note: forward plan])."""
+        state, engine = self.state, self.state.engine
+        batch, numel = [], unit.numel
+        for m in upcoming:
+            u = state.unit_for(m)
+            if numel + u.numel > self.plan.bucket_numel:
+                break
+            batch.append((m, u))
+            numel += u.numel
+        if not batch:
+            return
+        combined = state.combine([unit] + [u for _, u in batch])
+        engine.unshard(combined, self._direct, _PREFETCH_OWNER)
+        for m, u in batch:
+            engine.unshard(u, self._fwd, m.ds_id)  # already gathered: claims only
+        engine.reshard(combined, self._direct, _PREFETCH_OWNER)
 
     def release_sub_module(self, sub_module, forward=False, grad_enabled=False):
         unit = self.state.unit_for(sub_module)

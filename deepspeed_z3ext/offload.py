@@ -24,7 +24,8 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("post_bwd_fn", None)
         super().__init__(module, timers, ds_config, *args, **kwargs)
         self.z3ext = Z3extState(self.module, z3ext_config)
-        self.param_coordinator = Z3extCoordinator(self.z3ext, self.module, self._max_available_parameters_in_numel)
+        self.param_coordinator = Z3extCoordinator(self.z3ext, self.module, self._max_available_parameters_in_numel,
+                                                  self._prefetch_bucket_sz)
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])
 

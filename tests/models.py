@@ -36,10 +36,13 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        self.skip = ()  # block indices to skip: changes the module order (plan divergence)
 
     def forward(self, tokens):
         x = self.embed(tokens) + self.pos[:tokens.shape[1]]
-        for blk in self.blocks:
+        for i, blk in enumerate(self.blocks):
+            if i in self.skip:
+                continue
             x = blk(x)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, dims=1).flatten())
