@@ -15,10 +15,9 @@ _PREFETCH_OWNER = -1
 
 class Z3extCoordinator:
 
-    def __init__(self, state, root, max_live_numel, prefetch_bucket_numel):
+    def __init__(self, state, max_live_numel, prefetch_bucket_numel):
         self.state = state
         self.plan = ForwardPlan(prefetch_bucket_numel)  # see [Note: forward plan]
-        self.root = root
         self.hierarchy = 0  # read and written by the stage-3 optimizer
         # [Note: hold for backward] Autograd's use of a module's parameters in backward is a claim:
         # at the end of a grad-enabled forward the module's Forward claim becomes a Backward claim,
@@ -34,7 +33,7 @@ class Z3extCoordinator:
         self._step_kinds = [k.FORWARD, k.BACKWARD, k.DIRECT, k.FALLBACK]
         self._all_but_gathered = self._step_kinds + [k.PERSIST]
 
-    # -- trace interface: z3ext records no trace yet, so nothing is ever invalidated ----------------
+    # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):
         pass
 
