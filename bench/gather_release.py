@@ -89,14 +89,14 @@ def make_input(a, device, tiny=False):
 
 
 # ---------------------------------------------------------------------------------------------- systems
-def ds_config(a, z3ext, z3ext_options=None):
+def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None):
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": a.persistence,
-            "stage3_prefetch_bucket_size": a.prefetch_bucket,
+            "stage3_prefetch_bucket_size": a.prefetch_bucket if prefetch_bucket is None else prefetch_bucket,
             "stage3_max_live_parameters": a.max_live,
             "overlap_comm": True,
         },
@@ -126,8 +126,11 @@ def build_system(name, a, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    if name in ("stock", "z3ext", "z3ext-nohold"):
-        cfg = ds_config(a, name != "stock", {"hold_for_backward": False} if name == "z3ext-nohold" else None)
+    if name in ("stock", "z3ext", "z3ext-nohold") or name.startswith("z3ext@"):
+        # "z3ext@N": z3ext gathering up to N elements per collective (the unit-size sweep)
+        bucket = int(float(name.split("@")[1])) if "@" in name else None
+        cfg = ds_config(a, name != "stock", {"hold_for_backward": False} if name == "z3ext-nohold" else None,
+                        prefetch_bucket=bucket)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
@@ -236,6 +239,7 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over all steps)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--sweep", default="", help="z3ext bucket sizes (elements per collective) to add, e.g. 0,1e6,5e7,2e8")
     p.add_argument("--persistence", type=int, default=0 if not gpu else 100000)
     p.add_argument("--prefetch-bucket", type=int, default=50_000_000)
     p.add_argument("--max-live", type=int, default=1_000_000_000)
@@ -275,7 +279,7 @@ def run(a):
     import deepspeed_z3ext
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    names = [s for s in a.systems.split(",") if s]
+    names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
     systems, skipped = {}, {}
     for n in names:
         try:
