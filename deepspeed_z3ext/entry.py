@@ -28,9 +28,10 @@ def take_over(param, state):
         setattr(param, _SAVED, {name: getattr(param, name) for name in ENTRY_POINTS})
     kinds = ops().ClaimKind
     direct, persist = kinds.DIRECT, kinds.PERSIST
+    own = state.unit_of([param])  # the common call has no list: no unit built per call
 
     def all_gather(param_list=None, async_op=False, hierarchy=0):
-        state.engine.unshard(state.unit_of(param_list if param_list is not None else [param]), direct, 0)
+        state.engine.unshard(own if param_list is None else state.unit_of(param_list), direct, 0)
         return [_Done()] if async_op else None
 
     def all_gather_coalesced(params, safe_mode=False, quantize=False):
@@ -38,7 +39,7 @@ def take_over(param, state):
         return _Done()
 
     def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
-        unit = state.unit_of(param_list if param_list is not None else [param])
+        unit = own if param_list is None else state.unit_of(param_list)
         if has_been_updated:
             state.engine.write_back(unit)
         state.engine.drop_kinds(unit, [direct, persist])
