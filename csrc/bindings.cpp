@@ -50,7 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("make_handle", &GatherEngine::make_handle)
       .def("conflict", &GatherEngine::conflict, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("to_claim"))
-      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"))
+      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
+           py::arg("defer") = false)
       .def("reshard", &GatherEngine::reshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)
@@ -59,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("destroy", &GatherEngine::destroy)
       .def("live_orphans", &GatherEngine::live_orphans)
       .def_property_readonly("handles", &GatherEngine::handles)
+      .def_property_readonly("live_numel", [](const GatherEngine& e) { return e.stats().live_numel; })
       .def("stats", [](const GatherEngine& e) {
         const auto& s = e.stats();
         const auto& p = e.pool_stats();

@@ -10,6 +10,7 @@ namespace z3ext {
 
 struct EngineStats {
   int64_t live_bytes = 0;       // bytes of gathered buckets currently held
+  int64_t live_numel = 0;       // their elements (the unit of stage3_max_live_parameters)
   int64_t peak_live_bytes = 0;
   int64_t gathered_params = 0;  // parameters made full since creation
   int64_t released_params = 0;
@@ -61,16 +62,22 @@ class GatherEngine {
   }
 
   // Claims every parameter of `unit` for (kind, owner) (idempotently) and gathers those that are
-  // partitioned. Returns the number of parameters gathered.
-  int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner) {
+  // partitioned. With `defer` (a prefetch), the compute stream does not wait for the gather yet
+  // ([Note: deferred wait]); without it, it waits for every bucket the unit uses. Returns the
+  // number of parameters gathered.
+  int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool defer) {
     const Claim c{kind, owner};
     std::vector<ParamHandle*> need;
     for (const auto& h : unit.handles) {
       if (!h->claims.holds(c)) h->claims.add(c);
       if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
-      if (!h->bucket) need.push_back(h.get());
+      if (!h->bucket) {
+        need.push_back(h.get());
+      } else if (!defer) {
+        h->bucket->wait_ready(h->tensor.device());
+      }
     }
-    if (!need.empty()) gather(need);
+    if (!need.empty()) gather(need, defer);
     return static_cast<int64_t>(need.size());
   }
 
@@ -121,6 +128,7 @@ class GatherEngine {
   void write_back(const FetchUnit& unit) {
     for (const auto& h : unit.handles) {
       if (!h->bucket) continue;
+      h->bucket->wait_ready(h->tensor.device());
       at::Tensor part = h->param.attr("ds_tensor").cast<at::Tensor>();
       at::Tensor full = h->tensor.detach().reshape({-1});
       int64_t start = h->rank * h->partition_numel;
@@ -162,7 +170,7 @@ class GatherEngine {
 
  private:
   // Gathers `params` (all partitioned), grouped by (process group, dtype, device) in ds_id order.
-  void gather(const std::vector<ParamHandle*>& params) {
+  void gather(const std::vector<ParamHandle*>& params, bool defer) {
     std::vector<std::vector<ParamHandle*>> groups;
     std::vector<std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string>> keys;
     std::vector<at::Tensor> parts(params.size());
@@ -183,10 +191,11 @@ class GatherEngine {
         groups[it - keys.begin()].push_back(h);
       }
     }
-    for (auto& g : groups) gather_group(g, part_of);
+    for (auto& g : groups) gather_group(g, part_of, defer);
   }
 
-  void gather_group(const std::vector<ParamHandle*>& params, std::map<ParamHandle*, at::Tensor>& part_of) {
+  void gather_group(const std::vector<ParamHandle*>& params, std::map<ParamHandle*, at::Tensor>& part_of,
+                    bool defer) {
     at::NoGradGuard no_grad;
     ParamHandle& first = *params.front();
     const at::Device device = first.tensor.device();
@@ -227,7 +236,12 @@ class GatherEngine {
       }
       ready = Fence::record_current(device);
     });
-    ready.wait_on_current(device);
+    if (defer) {
+      bucket->ready = ready;
+      bucket->pending = true;
+    } else {
+      ready.wait_on_current(device);
+    }
     if (!single) {
       pool_.give_back(staging, ready);
     } else {
@@ -245,11 +259,14 @@ class GatherEngine {
     }
     stats_.gathered_params += static_cast<int64_t>(params.size());
     stats_.live_bytes += bucket_buf.numel() * bucket_buf.element_size();
+    stats_.live_numel += bucket_buf.numel();
     stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
   }
 
   void release(ParamHandle& h) {
     const at::Device device = h.tensor.device();
+    // A prefetch released unused: its buffer is reusable only after the gather that wrote it.
+    h.bucket->wait_ready(device);
     h.tensor.set_data(at::empty({0}, h.tensor.options()));
     h.param.attr("ds_status") = not_available_;
     std::shared_ptr<Bucket> bucket = std::move(h.bucket);
@@ -257,6 +274,7 @@ class GatherEngine {
     stats_.released_params++;
     if (--bucket->live == 0) {
       stats_.live_bytes -= bucket->buffer.numel() * bucket->buffer.element_size();
+      stats_.live_numel -= bucket->buffer.numel();
       at::Tensor buf = std::move(bucket->buffer);
       bucket->buffer.reset();
       c10::weak_intrusive_ptr<c10::StorageImpl> storage(buf.storage().getWeakStorageImpl());

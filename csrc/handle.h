@@ -15,6 +15,17 @@ struct Bucket {
   at::Tensor buffer;
   int live = 0;
   std::vector<std::string> names;  // for leak reports
+  // [Note: deferred wait] A prefetched bucket's gather may still be running on the gather stream;
+  // the compute stream waits on `ready` only when a claimant first uses it (or it is released or
+  // written back), so the gather overlaps the compute queued before that point.
+  Fence ready;
+  bool pending = false;
+  void wait_ready(const at::Device& device) {
+    if (pending) {
+      ready.wait_on_current(device);
+      pending = false;
+    }
+  }
 };
 
 enum class ParamState : uint8_t { Partitioned = 0, Gathered = 1 };

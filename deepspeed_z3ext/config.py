@@ -26,6 +26,10 @@ class Z3extConfig(DeepSpeedConfigModel):
     """Parameters a module gathered in a grad-enabled forward stay claimed for its backward (no
     re-gather), while the numel so held stays within `stage3_max_live_parameters`."""
 
+    plan_warning_steps: int = Field(0, ge=0)
+    """Log a warning when a forward leaves the recorded module order, at most once per this many
+    forwards; 0 (default) never warns (prefetch just degrades for that forward)."""
+
     leak_check: bool = False
     """At each optimizer step, raise naming every parameter whose released full tensor is still
     referenced outside z3ext (a leak into the next step), or that is gathered without a claim."""

@@ -4,12 +4,16 @@ It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same int
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
 parameters form one fetch unit: one C++ call claims and gathers it, one call releases it.
 """
+from collections import deque
+
+import torch
 from deepspeed.runtime.zero import parameter_offload
+from deepspeed.utils import logger
 
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.plan import ForwardPlan
 
-# Owner of the transient claim that carries a coalesced prefetch until each module's own claim is in.
+# Owner of the transient claim that carries a prefetch until each module's own claim is in.
 _PREFETCH_OWNER = -1
 
 
@@ -17,16 +21,32 @@ class Z3extCoordinator:
 
     def __init__(self, state, max_live_numel, prefetch_bucket_numel):
         self.state = state
-        self.plan = ForwardPlan(prefetch_bucket_numel)  # see [Note: forward plan]
+        self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
+        self.plan = self.plans[True]
+        self.bucket_numel = prefetch_bucket_numel
         self.hierarchy = 0  # read and written by the stage-3 optimizer
         # [Note: hold for backward] Autograd's use of a module's parameters in backward is a claim:
         # at the end of a grad-enabled forward the module's Forward claim becomes a Backward claim,
         # so backward (and a GatheredParameters block between forward and backward) needs no
-        # re-gather. Held numel is bounded by stage3_max_live_parameters; past it, release as stock.
+        # re-gather. A unit is held only while the elements of all gathered buffers (not just of
+        # held units: a held parameter keeps its whole coalesced buffer alive) are within
+        # stage3_max_live_parameters; past it, it is released as stock does.
         self._hold = state.config.hold_for_backward
-        self._max_held = max_live_numel
-        self._held = {}  # module ds_id -> numel held for its backward
-        self._held_numel = 0
+        self._max_live = max_live_numel
+        self._held = set()  # module ds_ids holding a Backward claim from their forward
+        # [Note: prefetch window] Units of the next modules in the plan are gathered ahead, in one
+        # collective per batch, claimed for those modules' forwards, without making the compute
+        # stream wait ([Note: deferred wait]); the numel gathered ahead and not yet reached stays
+        # within stage3_prefetch_bucket_size (and the engine's
+        # live_numel + ahead within stage3_max_live_parameters). A unit larger than the window is
+        # fetched by its module.
+        self._ahead = deque()  # (plan position, numel) gathered ahead, not yet reached
+        self._ahead_numel = 0
+        self._frontier = 0     # plan positions before this one are gathered or passed
+        self._running = []     # modules of this engine inside their forward (innermost last)
+        self._warn_every = state.config.plan_warning_steps
+        self._forwards = 0
+        self._last_warning = None
         k = ops().ClaimKind
         self._fwd, self._bwd, self._direct = k.FORWARD, k.BACKWARD, k.DIRECT
         # Every kind a new outermost forward or an optimizer step ends; Gathered blocks survive both.
@@ -53,9 +73,12 @@ class Z3extCoordinator:
         pass
 
     # -- fetch and release ---------------------------------------------------------------------
+    def running_module(self):
+        """The innermost module of this engine running its forward (recomputation included)."""
+        return self._running[-1] if self._running else None
+
     def _forget_held(self):
         self._held.clear()
-        self._held_numel = 0
 
     def reset_step(self):
         """Start of an outermost forward: whatever an abandoned forward or backward left is released,
@@ -63,49 +86,96 @@ class Z3extCoordinator:
         self.state.engine.sweep(self._step_kinds)
         self._forget_held()
         _clean_module_stack()
+        self._running.clear()
+        self._ahead.clear()
+        self._ahead_numel = 0
+        self._frontier = 0
+        self._warn_divergence()
+        self.plan = self.plans[torch.is_grad_enabled()]
         self.plan.start_forward()
+        self._forwards += 1
+
+    def _warn_divergence(self):
+        plan, n = self.plan, self._warn_every
+        if not n or plan.divergence is None:
+            return
+        if self._last_warning is not None and self._forwards - self._last_warning < n:
+            return
+        self._last_warning = self._forwards
+        d = plan.divergence
+        logger.warning(f"z3ext: a forward left the recorded module order at position {d.position} (expected "
+                       f"{d.expected}, got {d.got}); prefetch was reduced for that forward and the plan now "
+                       f"follows the new order ({plan.diverged_forwards} diverged forwards so far; this warning "
+                       f"repeats at most once per {n} forwards: z3ext.plan_warning_steps)")
 
     def fetch_sub_module(self, sub_module, forward):
-        unit = self.state.unit_for(sub_module)
-        if forward and len(unit):
-            upcoming = self.plan.observe(sub_module)
-            if upcoming and self.plan.bucket_numel > 0 and unit.partitioned:
-                self._prefetch(unit, upcoming)
-        self.state.engine.unshard(unit, self._fwd if forward else self._bwd, sub_module.ds_id)
+        state = self.state
+        unit = state.unit_for(sub_module)
+        if not forward:
+            state.engine.unshard(unit, self._bwd, sub_module.ds_id)
+            return
+        self._running.append(sub_module)
+        if not len(unit):
+            return
+        pos = self.plan.observe(sub_module)
+        state.engine.unshard(unit, self._fwd, sub_module.ds_id)
+        if pos is not None and self.bucket_numel > 0:
+            self._prefetch(pos)
 
-    def _prefetch(self, unit, upcoming):
-        """One collective for this unit and the next ones in the plan ([Note: forward plan])."""
-        state, engine = self.state, self.state.engine
-        batch, numel = [], unit.numel
-        for m in upcoming:
-            u = state.unit_for(m)
-            if numel + u.numel > self.plan.bucket_numel:
+    def _prefetch(self, pos):
+        """Gathers the next plan positions ahead of their modules ([Note: prefetch window])."""
+        ahead = self._ahead
+        while ahead and ahead[0][0] < pos:
+            self._ahead_numel -= ahead.popleft()[1]
+        self._frontier = max(self._frontier, pos)
+        room = min(self.bucket_numel - self._ahead_numel, self._max_live - self.state.engine.live_numel)
+        order, state = self.plan.order, self.state
+        batch, numel, i = [], 0, self._frontier
+        while i < len(order):
+            unit = state.unit_for(order[i])
+            if numel + unit.numel > room:
                 break
-            batch.append((m, u))
-            numel += u.numel
+            batch.append((i, order[i], unit))
+            numel += unit.numel
+            i += 1
         if not batch:
             return
-        combined = state.combine([unit] + [u for _, u in batch])
-        engine.unshard(combined, self._direct, _PREFETCH_OWNER)
-        for m, u in batch:
-            engine.unshard(u, self._fwd, m.ds_id)  # already gathered: claims only
+        self._frontier = i
+        engine = state.engine
+        combined = state.combine([u for _, _, u in batch])
+        engine.unshard(combined, self._direct, _PREFETCH_OWNER, defer=True)
+        for i, m, u in batch:
+            engine.unshard(u, self._fwd, m.ds_id, defer=True)  # already gathered: claims only
+            ahead.append((i, u.numel))
+        self._ahead_numel += numel
         engine.reshard(combined, self._direct, _PREFETCH_OWNER)
 
     def release_sub_module(self, sub_module, forward=False, grad_enabled=False):
         unit = self.state.unit_for(sub_module)
         engine, owner = self.state.engine, sub_module.ds_id
+        if forward:
+            self._pop_running(sub_module)
         if forward and self._hold and grad_enabled:
-            numel = self._held.get(owner)
-            if numel is None and self._held_numel + unit.numel <= self._max_held:
+            held = owner in self._held
+            if not held and engine.live_numel <= self._max_live:
                 engine.unshard(unit, self._bwd, owner)  # already gathered: moves the claim only
-                self._held[owner] = numel = unit.numel
-                self._held_numel += numel
-            if numel is not None:
+                self._held.add(owner)
+                held = True
+            if held:
                 engine.reshard(unit, self._fwd, owner, also_direct=True)
                 return
         engine.reshard(unit, self._fwd if forward else self._bwd, owner, also_direct=True)
         if not forward:
-            self._held_numel -= self._held.pop(owner, 0)
+            self._held.discard(owner)
+
+    def _pop_running(self, module):
+        # Pops `module` and anything above it: an inner forward that raised, or a recomputation that
+        # torch.utils.checkpoint stopped early, never reached its post-forward hook.
+        running = self._running
+        for i in range(len(running) - 1, -1, -1):
+            if running[i] is module:
+                del running[i:]
+                return
 
     def release_and_reset_all(self, module):
         """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released."""

@@ -25,6 +25,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         self.z3ext = Z3extState(self.module, z3ext_config)
         self.param_coordinator = Z3extCoordinator(self.z3ext, self._max_available_parameters_in_numel,
                                                   self._prefetch_bucket_sz)
+        self.z3ext.coordinator = self.param_coordinator
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])
 

@@ -1,16 +1,19 @@
-"""ForwardPlan: the order in which modules fetched their units in a recorded forward, replayed to
-gather several upcoming units with one collective.
+"""ForwardPlan: the order in which modules fetched their units, recorded once and replayed to
+gather upcoming units ahead of their modules.
 
-[Note: forward plan] The first outermost forward of an engine is recorded (modules whose unit is
-non-empty, in fetch order); every later forward replays it with a cursor. When a module's unit must
-be gathered, the units of the next modules in the plan are gathered in the same collective, up to
-`stage3_prefetch_bucket_size` elements, and claimed for those modules' forwards (released as usual
-at their post-forward hooks, or swept before the next outermost forward if they never run). A
-module the plan did not expect moves the cursor to its next occurrence, or past the end (no more
-prefetch this forward); nothing raises. Every rank runs the same modules in the same order, so
-every rank builds the same batches.
+[Note: forward plan] The first outermost forward of each grad mode (training forwards, and no_grad
+forwards such as eval or generation, have different orders) is recorded: every module whose fetch
+unit is non-empty, in fetch order, up to the next outermost forward; that includes the forwards
+re-run by activation-checkpoint recomputation inside backward. A unit includes the module's external
+parameters ([Note: external discovery]), so the plan also carries external dependencies. Later
+forwards replay it with a cursor, and the coordinator gathers the units of the next modules ahead
+of them ([Note: prefetch window]). A module the plan did not expect moves the cursor to its next
+occurrence, or past the end (no more prefetch this forward); nothing raises. A forward that left
+the plan becomes the plan for the next one of its grad mode (resynchronisation). Every rank runs the
+same modules in the same order, so every rank builds the same batches.
 """
 import enum
+from typing import NamedTuple, Optional
 
 
 class PlanState(enum.Enum):
@@ -18,32 +21,54 @@ class PlanState(enum.Enum):
     REPLAYING = 2
 
 
+class Divergence(NamedTuple):
+    position: int      # where in the plan the cursor was
+    expected: str      # the module the plan expected there ("<end>" past the end)
+    got: str           # the module that fetched instead
+
+
 class ForwardPlan:
 
-    def __init__(self, bucket_numel):
-        self.bucket_numel = bucket_numel
+    def __init__(self):
         self.state = PlanState.RECORDING
         self.order = []
         self.cursor = 0
-        self.diverged = 0  # forwards that left the plan (for stats/debugging)
+        self.observed = []        # this forward's actual order
+        self.divergence: Optional[Divergence] = None  # this forward's first divergence
+        self.diverged_forwards = 0
+        self.resyncs = 0
 
     def start_forward(self):
-        if self.state is PlanState.RECORDING and self.order:
+        """An outermost forward starts: the previous one's order becomes the plan if it was the
+        first or if it diverged."""
+        if self.observed and (self.state is PlanState.RECORDING or self.divergence is not None):
+            if self.state is PlanState.REPLAYING:
+                self.resyncs += 1
+            self.order = self.observed
             self.state = PlanState.REPLAYING
+        self.observed = []
         self.cursor = 0
+        self.divergence = None
 
-    def observe(self, module):
-        """Called at each forward fetch; returns the modules expected next (replay only)."""
+    def observe(self, module) -> Optional[int]:
+        """Called at each forward fetch of a non-empty unit; returns the plan position after this
+        module while replaying (None while recording)."""
+        self.observed.append(module)
         if self.state is PlanState.RECORDING:
-            self.order.append(module)
-            return []
+            return None
         order, c = self.order, self.cursor
         if c < len(order) and order[c] is module:
             self.cursor = c + 1
-        else:
-            self.diverged += 1
-            try:
-                self.cursor = order.index(module, c) + 1
-            except ValueError:
-                self.cursor = len(order)
-        return order[self.cursor:]
+            return self.cursor
+        if self.divergence is None:
+            self.divergence = Divergence(c, _name(order[c]) if c < len(order) else "<end>", _name(module))
+            self.diverged_forwards += 1
+        try:
+            self.cursor = order.index(module, c) + 1
+        except ValueError:
+            self.cursor = len(order)
+        return self.cursor
+
+
+def _name(module):
+    return f"{type(module).__name__}(ds_id {getattr(module, 'ds_id', '?')})"

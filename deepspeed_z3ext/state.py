@@ -45,6 +45,7 @@ class Z3extState:
         self.engine = ops().GatherEngine(config.pool_budget_mb << 20, ZeroParamStatus.AVAILABLE,
                                          ZeroParamStatus.NOT_AVAILABLE)
         self._units = {}  # module ds_id -> (n external params, FetchUnit)
+        self.coordinator = None  # set by Z3extZeRoOffload
         self.params = []
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
@@ -92,6 +93,11 @@ class Z3extState:
         self._units[id(module)] = (n_ext, unit)
         return unit
 
+    def discover_external(self, module, param):
+        """Claims `param` for `module`'s running forward ([Note: external discovery]); the module's
+        release drops the claim, as its unit (rebuilt with the new external) now holds the parameter."""
+        self.engine.unshard(self.unit_of([param]), ops().ClaimKind.FORWARD, module.ds_id)
+
     def destroy(self):
         """Drops every claim, returns every buffer, hands the parameters back to stock DeepSpeed."""
         _LIVE.discard(self)
@@ -103,6 +109,7 @@ class Z3extState:
                 delattr(p, STATE_ATTR)
         self.params = []
         self._units.clear()
+        self.coordinator = None
 
     def check_leaks(self, when):
         """Raises naming parameters gathered without a claim, or whose released full tensor is still

@@ -1,0 +1,56 @@
+"""External parameters: a ZeRO-3 parameter used inside the forward of a module that does not own it.
+
+[Note: external discovery] DeepSpeed's getter (`ZeROOrderedDict.__getitem__`) registers such an
+access only when the parameter happens to be partitioned at that moment and only inside
+`engine.forward`. A resident parameter (persistent, inside a GatheredParameters block, held for
+another module's backward) is therefore never registered, and activation-checkpoint recomputation,
+which runs inside backward, reads whatever state the parameter is in then: a shape-[0] tensor.
+z3ext registers every access made while a module of its engine runs its forward (recomputation
+included), resident or not: the parameter joins that module's fetch unit, so every later fetch,
+recomputation and plan prefetch of the module includes it, and it is claimed for the module's
+forward at once. Accesses of a module's own parameters cost one identity check. Outside any z3ext
+module forward (DeepCompile's eager fallback, code between forwards) DeepSpeed's getter runs.
+"""
+from collections import OrderedDict
+
+import torch
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
+
+from deepspeed_z3ext.state import STATE_ATTR
+
+_stock_getitem = ZeROOrderedDict.__getitem__
+_dict_getitem = OrderedDict.__getitem__
+
+
+def _getitem(self, key):
+    param = _dict_getitem(self, key)
+    state = getattr(param, STATE_ATTR, None) if param is not None else None
+    if state is None or state.coordinator is None or torch.compiler.is_compiling():
+        return _stock_getitem(self, key)
+    running = state.coordinator.running_module()
+    if running is None:
+        return _stock_getitem(self, key)
+    if self._parent_module is not running:
+        discover(state, running, param)
+    return param
+
+
+def discover(state, module, param):
+    """`param` is used in `module`'s forward: make it part of the module's unit and claim it now."""
+    if getattr(param, "ds_z3_leaf_module", None) is module:
+        return  # a z3 leaf module's unit holds all its descendants' parameters
+    external = getattr(module, "_external_params", None)
+    if external is None or id(param) not in external:
+        register_external_parameter(module, param)
+    elif param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        return  # registered before this fetch (so in the unit) or already gathered for it
+    state.discover_external(module, param)
+
+
+def install():
+    ZeROOrderedDict.__getitem__ = _getitem
+
+
+def uninstall():
+    ZeROOrderedDict.__getitem__ = _stock_getitem
