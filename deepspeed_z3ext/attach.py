@@ -8,6 +8,8 @@
   without a client optimizer); dispatching at construction covers both and keeps DeepSpeed's
   `isinstance` checks true. Nothing inside `deepspeed.runtime.engine` is rebound.
 - GatheredParameters: see gathered.py.
+- DeepCompile's eager fallback: `DeepCompileZ3EagerFallback.__new__` returns a z3ext fallback for
+  z3ext engines (fallback.py); DeepSpeed's `ZeROOrderedDict` getter then drives it unchanged.
 Without a `"z3ext"` section every seam falls through to DeepSpeed's own code.
 """
 import json
@@ -16,7 +18,7 @@ import os
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from deepspeed_z3ext import gathered
+from deepspeed_z3ext import fallback, gathered
 from deepspeed_z3ext.config import SECTION, Z3extConfigError, parse_section, unsupported_options
 
 _installed = False
@@ -70,4 +72,5 @@ def install():
     DeepSpeedConfig._do_sanity_check = _validate
     DeepSpeedZeRoOffload.__new__ = _new
     gathered.install()
+    fallback.install()
     _installed = True
