@@ -46,8 +46,14 @@ where DeepSpeed keeps it) and holds its engine and z3ext state weakly; graph ids
 accumulation record are its own. DeepSpeed calls every engine's post-backward hook on any engine's
 backward: a fallback only completes graphs whose backward it saw start. DeepSpeed's module-global
 active fallback is set for the dynamic extent of this engine's forward and restored after it.
-`engine.destroy()` drops every claim and removes the fallback from DeepSpeed's post-backward hooks;
-the getter seam installed at import is process-wide and falls through for everything not z3ext's.
+`engine.destroy()` drops every claim and takes the engine's entries out of DeepCompile's
+process-global backward hook lists (its post-backward hook, and the pre-backward hook init_z3 adds for
+its optimizer, which otherwise keep a destroyed engine alive and run on every later backward).
+Settings DeepCompile changes for the whole process and never restores (`torch._inductor.config.
+size_asserts`) are owned by the compiled z3ext engines together: the value from before the first
+one is restored when the last one is destroyed, not before. (DeepSpeed already reference-counts its
+Dynamo parameter-shape settings the same way.) The seams installed at import are process-wide and
+fall through for everything that is not z3ext's.
 """
 import contextlib
 import enum
@@ -64,6 +70,43 @@ from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zer
 from deepspeed_z3ext.state import STATE_ATTR
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+class _SharedSettings:
+    """Process-wide settings DeepCompile's init_z3 changes without restoring, owned jointly by the open
+    z3ext fallbacks ([Note: per-engine compiler state])."""
+    owners = set()  # ids of open fallbacks
+    saved = {}  # setting name -> value before the first owner
+
+    @classmethod
+    def acquire(cls, owner):
+        if not cls.owners:
+            cls.saved = {}
+            try:
+                import torch._inductor.config as inductor_config
+                cls.saved["size_asserts"] = inductor_config.size_asserts
+            except Exception:  # no inductor in this torch build: nothing to restore
+                pass
+        cls.owners.add(id(owner))
+
+    @classmethod
+    def release(cls, owner):
+        cls.owners.discard(id(owner))
+        if cls.owners or not cls.saved:
+            return
+        import torch._inductor.config as inductor_config
+        inductor_config.size_asserts = cls.saved.pop("size_asserts")
+
+
+def _holds(fn, obj):
+    """Whether a hook closure captured `obj` (how init_z3's per-engine backward hook is recognised)."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            if cell.cell_contents is obj:
+                return True
+        except ValueError:  # empty cell
+            pass
+    return False
 
 
 class GraphPhase(enum.Enum):
@@ -114,6 +157,7 @@ class Z3extEagerFallback:
         self._acc_step = None  # engine.global_steps of the accumulated gradient partitions
         self._acc_ids = set()  # ds_ids whose partition already holds this step's gradient
         self._closed = False
+        _SharedSettings.acquire(self)
         self._n = dict(gathered=0, claimed=0, guard=0, regathered=0, reduced=0, released=0)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -291,8 +335,14 @@ class Z3extEagerFallback:
         self._closed = True
         hooks = dc_util.post_backward_hooks
         hooks[:] = [h for h in hooks if getattr(h, "__self__", None) is not self]
+        engine = self._engine()
+        optimizer = getattr(engine, "optimizer", None) if engine is not None else None
+        if optimizer is not None:
+            hooks = dc_util.pre_backward_hooks
+            hooks[:] = [h for h in hooks if not _holds(h, optimizer)]
         if ds_fallback._ACTIVE_FALLBACK is self:
             ds_fallback._ACTIVE_FALLBACK = None
+        _SharedSettings.release(self)
 
     def stats(self) -> FallbackStats:
         state = self._state()

@@ -52,6 +52,8 @@ def _as_if_deepcompiled(engine):
     dc_util.add_pre_backward_hook(optimizer_reads_partitions)
     for p in engine.module.parameters():
         p.ds_persist = False
+    import torch._inductor.config
+    torch._inductor.config.size_asserts = False  # init_z3 sets it for the whole process
     engine._set_deepcompile_active(True)
     return fallback
 
@@ -304,7 +306,9 @@ def two_engines():
             _as_if_deepcompiled(e)
         solo[name] = (train(e, 10 * seed, 4), full_params(e))
         e.destroy()
-    hooks_before = len(dc_util.post_backward_hooks)
+    import torch._inductor.config as inductor_config
+    hooks_before = (len(dc_util.post_backward_hooks), len(dc_util.pre_backward_hooks))
+    size_asserts_before = inductor_config.size_asserts
     engines = {"a": build_engine(cfg, seed=1), "b": build_engine(cfg, seed=2), "c": build_engine(cfg, seed=3)}
     fbs = {k: _as_if_deepcompiled(engines[k]) for k in ("a", "b")}
     losses = {k: [] for k in engines}
@@ -318,12 +322,15 @@ def two_engines():
     engines["a"].destroy()
     out["a_hook_gone"] = all(getattr(h, "__self__", None) is not fbs["a"] for h in dc_util.post_backward_hooks)
     out["b_hook_kept"] = any(getattr(h, "__self__", None) is fbs["b"] for h in dc_util.post_backward_hooks)
+    out["size_asserts"] = [size_asserts_before, inductor_config.size_asserts]  # b still owns it
     for k in ("b", "c"):
         losses[k] += train(engines[k], 10 * (1 + "abc".index(k)) + 2)
     out["b_claims_after"] = _fallback_claimed(engines["b"])
     params = {k: full_params(engines[k]) for k in ("b", "c")}
     engines["b"].destroy()
-    out["hooks_left"] = len(dc_util.post_backward_hooks) - hooks_before
+    out["size_asserts"].append(inductor_config.size_asserts)  # the last owner is gone
+    out["hooks_left"] = (len(dc_util.post_backward_hooks) - hooks_before[0],
+                         len(dc_util.pre_backward_hooks) - hooks_before[1])
     out["equal"] = {
         "a": losses["a"] == solo["a"][0][:2],
         "b": losses["b"] == solo["b"][0] and all(torch.equal(params["b"][n], solo["b"][1][n]) for n in params["b"]),
@@ -339,7 +346,8 @@ def test_two_engines_keep_their_own_fallback_state():
         assert r["active_after_forwards"]
         assert r["a_hook_gone"] and r["b_hook_kept"]
         assert r["b_claims_after"] == {} and r["c_gathered"] == []
-        assert r["hooks_left"] == 0, "a destroyed engine's fallback is still in DeepSpeed's post-backward hooks"
+        assert r["hooks_left"] == (0, 0), "a destroyed engine is still in DeepCompile's backward hooks"
+        assert r["size_asserts"] == [True, False, True], r["size_asserts"]
 
 
 # --------------------------------------------------------------------------- config
