@@ -302,7 +302,9 @@ class Z3extEagerFallback:
         engine = self._engine()
         optimizer = getattr(engine, "optimizer", None) if engine is not None else None
         partitions = getattr(optimizer, _GRAD_PARTITIONS, None)
-        params = [p for p in params if p.requires_grad and p.grad is not None]
+        # Full gradients only: a parameter that a compiled graph also used gets its (empty) gradient
+        # from DeepCompile, which reduces that part itself.
+        params = [p for p in params if p.requires_grad and p.grad is not None and p.grad.numel() == p.ds_numel]
         if partitions is None or not params:
             return
         from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
@@ -313,7 +315,7 @@ class Z3extEagerFallback:
         for p in params:
             groups.setdefault(id(p.ds_process_group), (p.ds_process_group, []))[1].append(p)
         for group, ps in groups.values():
-            grads = [p.grad if comm_dtype in (None, p.grad.dtype) else p.grad.to(comm_dtype) for p in ps]
+            grads = [(p.grad if comm_dtype in (None, p.grad.dtype) else p.grad.to(comm_dtype)).contiguous() for p in ps]
             for p, part in zip(ps, reduce_scatter_coalesced(grads, group)):
                 dest = partitions[p.ds_id]
                 if part.numel() and dest.numel():
