@@ -109,6 +109,12 @@ def _holds(fn, obj):
     return False
 
 
+def _in_autograd():
+    """Whether the autograd engine is executing a backward on this thread (unknown: False)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class GraphPhase(enum.Enum):
     FORWARD = 1  # its outermost forward ran; outputs not known to need grad (yet)
     AWAITING_BACKWARD = 2  # an output needs grad: backward may still start
@@ -185,10 +191,13 @@ class Z3extEagerFallback:
         claims]), then opens a new graph and lets the getter see this forward."""
         engine = self._engine()
         step = engine.global_steps if engine is not None else 0
+        in_autograd = _in_autograd()
         for gid in sorted(self._graphs):
             g = self._graphs[gid]
             if g.phase is GraphPhase.IN_BACKWARD:
-                continue  # a backward is running (a forward inside it, e.g. recomputation)
+                if in_autograd:
+                    continue  # a forward inside a running backward (e.g. recomputation)
+                g.phase = GraphPhase.FORWARD  # its backward raised before completing: forget it
             self._drop_claims(g)
             if g.phase is GraphPhase.FORWARD or not g.params or g.step != step:
                 del self._graphs[gid]

@@ -183,7 +183,29 @@ def bookkeeping():
     m.skip = ()
     out["final_fallback_claimed"] = _fallback_claimed(eng)
     out["final_stats"] = fb.stats()._asdict()
+
+    # (3) a backward that raises never completes: its claims go at the next outermost forward
+    loss = eng(_batch(11))
+    h = W.register_hook(_raise_boom)
+    try:
+        eng.backward(loss)
+    except Boom:
+        pass
+    h.remove()
+    out["after_failed_backward"] = (fb.stats().graphs, bool(_fallback_claimed(eng)))
+    at_forward_start.clear()
+    with torch.no_grad():
+        eng(_batch(12))
+    out["failed_backward_next_forward"] = at_forward_start
     return out
+
+
+class Boom(Exception):
+    pass
+
+
+def _raise_boom(grad):
+    raise Boom("inside backward")
 
 
 def test_fallback_claims_live_from_skipped_frame_to_backward_end():
@@ -220,6 +242,8 @@ def test_fallback_claims_live_from_skipped_frame_to_backward_end():
         assert "fallback" not in r["persistent_claim_kinds"] and "persist" in r["persistent_claim_kinds"]
         assert r["final_fallback_claimed"] == {}
         assert r["final_stats"]["guard_lookups"] == 1
+        assert list(r["after_failed_backward"][0].values()) == ["IN_BACKWARD"] and r["after_failed_backward"][1]
+        assert r["failed_backward_next_forward"] == [{}], r["failed_backward_next_forward"]
 
 
 # --------------------------------------------------------------------------- training equals stock
