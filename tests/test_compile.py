@@ -16,10 +16,10 @@ import torch
 from tests.harness import run_on_ranks
 
 
-def _batch(i, device="cpu"):
+def _batch(i):
     import torch.distributed as dist
     from tests.models import batch
-    return batch(i, dist.get_rank()).to(device)
+    return batch(i, dist.get_rank())
 
 
 class _NoNativeHandle:
@@ -31,7 +31,8 @@ class _NoNativeHandle:
 
 
 def _as_if_deepcompiled(engine):
-    """What `engine.compile()` with DeepCompile changes about gather and release, without compiling."""
+    """What `engine.compile()` with DeepCompile changes about gather and release, without compiling.
+    (init_z3 also un-patches DeepSpeed's memory-efficient F.linear: the CPU engines never patch it.)"""
     from deepspeed.compile import util as dc_util
     from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
     dc_util.get_deepcompile_handle = _NoNativeHandle
@@ -72,7 +73,6 @@ def _fallback_claimed(engine):
 def bookkeeping():
     import types
     import torch
-    import deepspeed_z3ext
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from deepspeed_z3ext.fallback import Z3extEagerFallback
     from tests.models import build_engine, ds_config, full_params
