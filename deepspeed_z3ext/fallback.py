@@ -271,10 +271,13 @@ class Z3extEagerFallback:
         state = self._state()
         if g is None or state is None or g.phase is not GraphPhase.AWAITING_BACKWARD:
             return
-        if not g.claimed and g.params:
+        if g.params:
+            # Claimed again whether or not a later forward dropped the claims: unshard only claims what
+            # is held already, and gathers (in ds_id order, the same on every rank) what is not,
+            # e.g. after an optimizer step swept every claim.
             params = [g.params[i] for i in sorted(g.params)]
             self._n["regathered"] += state.engine.unshard(state.unit_of(params), self._kind, gid)
-            g.claimed = True
+        g.claimed = True
         g.phase = GraphPhase.IN_BACKWARD
 
     def complete_backward(self):
