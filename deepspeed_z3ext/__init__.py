@@ -9,6 +9,7 @@ unchanged.
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.attach import install as _install
 from deepspeed_z3ext.config import Z3extConfig, Z3extConfigError
+from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.gathered import ClaimError
 from deepspeed_z3ext.stats import Z3extStats, stats
 
@@ -18,4 +19,5 @@ _ops()  # build or load now, so a broken toolchain fails at import with instruct
 ClaimKind = _ops().ClaimKind
 _install()
 
-__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extConfigError", "ClaimError", "ClaimKind"]
+__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
+           "FallbackStats"]

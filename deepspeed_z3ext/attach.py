@@ -8,7 +8,10 @@
   without a client optimizer); dispatching at construction covers both and keeps DeepSpeed's
   `isinstance` checks true. Nothing inside `deepspeed.runtime.engine` is rebound.
 - GatheredParameters: see gathered.py.
-- External-parameter getter (`ZeROOrderedDict.__getitem__`): see external.py.
+- External-parameter getter (`ZeROOrderedDict.__getitem__`): see external.py. Outside a z3ext
+  module's forward it falls through to DeepSpeed's getter, which drives the eager fallback below.
+- DeepCompile's eager fallback: `DeepCompileZ3EagerFallback.__new__` returns a z3ext fallback for
+  z3ext engines (fallback.py); DeepSpeed's `ZeROOrderedDict` getter then drives it unchanged.
 Without a `"z3ext"` section every seam falls through to DeepSpeed's own code.
 """
 import json
@@ -17,7 +20,7 @@ import os
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from deepspeed_z3ext import external, gathered
+from deepspeed_z3ext import external, fallback, gathered
 from deepspeed_z3ext.config import SECTION, Z3extConfigError, parse_section, unsupported_options
 
 _installed = False
@@ -72,4 +75,5 @@ def install():
     DeepSpeedZeRoOffload.__new__ = _new
     gathered.install()
     external.install()
+    fallback.install()
     _installed = True

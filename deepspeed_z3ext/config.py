@@ -34,6 +34,10 @@ class Z3extConfig(DeepSpeedConfigModel):
     """At each optimizer step, raise naming every parameter whose released full tensor is still
     referenced outside z3ext (a leak into the next step), or that is gathered without a claim."""
 
+    compile_fallback: bool = True
+    """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
+    (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""
+
 
 def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
     """Returns the validated section, or None when the config has none (DeepSpeed unchanged)."""
@@ -78,5 +82,16 @@ def unsupported_options(ds_config) -> list:
         found.append("torch_autocast.enabled")
     compile_cfg = getattr(ds_config, "compile_config", None)
     if compile_cfg is not None and getattr(compile_cfg, "deepcompile", False):
-        found.append("compile.deepcompile (DeepCompile)")
+        # DeepCompile's ZeRO-3 passes with its default schedule work (fallback.py); these move
+        # partitions, optimizer state or activations in ways z3ext has not been exercised with.
+        for key in ("offload_parameters", "offload_opt_states", "offload_activation", "symmetric_memory"):
+            if getattr(compile_cfg, key, False):
+                found.append(f"compile.{key} with compile.deepcompile")
+        if getattr(compile_cfg, "passes", None):
+            found.append("compile.passes with compile.deepcompile (only the default schedule)")
+        offload_opt = getattr(zc, "offload_optimizer", None)
+        if (op is not None and str(getattr(op, "device", "none")).endswith("cpu") and offload_opt is not None
+                and str(getattr(offload_opt, "device", "none")).endswith("cpu")):
+            found.append("compile.deepcompile with parameters and optimizer offloaded to CPU "
+                         "(DeepCompile turns on its offload_parameters pass)")
     return found

@@ -40,6 +40,9 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         self.get_param_coordinator().release_and_reset_all(self.module)
 
     def destroy(self):
+        fallback = self.__dict__.pop("z3ext_fallback", None)  # set by fallback.py under DeepCompile
+        if fallback is not None:
+            fallback.close()
         super().destroy()
         if getattr(self, "z3ext", None) is not None:
             self.z3ext.destroy()
