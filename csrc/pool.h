@@ -48,7 +48,7 @@ class BufferPool {
     }
     int64_t b = bytes(buffer);
     if (b > budget_bytes_) {
-      fence.synchronize();
+      drop(buffer, fence);
       stats_.evicted++;
       return true;
     }
@@ -78,14 +78,18 @@ class BufferPool {
   };
   static int64_t bytes(const at::Tensor& t) { return t.numel() * t.element_size(); }
 
+  // Frees a buffer to the caching allocator. It was allocated on the compute stream but may last
+  // have been written on the gather stream: the compute stream waits for that write (a device-side
+  // wait, no host block, so the host keeps running ahead), and the allocator only reuses the memory
+  // in compute-stream order, after that wait.
+  static void drop(const at::Tensor& buffer, const Fence& fence) { fence.wait_on_current(buffer.device()); }
+
   bool evict_one() {
     for (auto& kv : free_) {
       if (kv.second.empty()) continue;
       Entry e = std::move(kv.second.front());
       kv.second.pop_front();
-      // The buffer was allocated on the compute stream but last written on the gather stream:
-      // wait for that write before the allocator may hand the memory to someone else.
-      e.fence.synchronize();
+      drop(e.buffer, e.fence);
       stats_.cached_bytes -= bytes(e.buffer);
       stats_.evicted++;
       return true;

@@ -128,6 +128,10 @@ class Z3extCoordinator:
         while ahead and ahead[0][0] < pos:
             self._ahead_numel -= ahead.popleft()[1]
         self._frontier = max(self._frontier, pos)
+        # Refill only once half the window has been reached: a full batch per collective (host time
+        # per collective is what a host-bound forward pays), while the rest still overlaps compute.
+        if self._ahead_numel * 2 > self.bucket_numel:
+            return
         room = min(self.bucket_numel - self._ahead_numel, self._max_live - self.state.engine.live_numel)
         order, state = self.plan.order, self.state
         batch, numel, i = [], 0, self._frontier
@@ -163,10 +167,15 @@ class Z3extCoordinator:
                 held = True
             if held:
                 engine.reshard(unit, self._fwd, owner, also_direct=True)
-                return
+                return True
         engine.reshard(unit, self._fwd if forward else self._bwd, owner, also_direct=True)
         if not forward:
             self._held.discard(owner)
+        return False
+
+    def needs_backward_hooks(self, module):
+        """A module released after a grad-enabled forward must fetch again for its backward."""
+        return len(self.state.unit_for(module)) > 0
 
     def _pop_running(self, module):
         # Pops `module` and anything above it: an inner forward that raised, or a recomputation that

@@ -9,7 +9,8 @@ z3ext registers every access made while a module of its engine runs its forward 
 included), resident or not: the parameter joins that module's fetch unit, so every later fetch,
 recomputation and plan prefetch of the module includes it, and it is claimed for the module's
 forward at once. Accesses of a module's own parameters cost one identity check. Outside any z3ext
-module forward (DeepCompile's eager fallback, code between forwards) DeepSpeed's getter runs.
+module forward (code between forwards), while Dynamo traces, and for an engine DeepCompile took
+over (its eager fallback, fallback.py, is driven from DeepSpeed's getter) DeepSpeed's getter runs.
 """
 from collections import OrderedDict
 
@@ -24,9 +25,11 @@ _dict_getitem = OrderedDict.__getitem__
 
 
 def _getitem(self, key):
+    if torch.compiler.is_compiling():  # Dynamo traces DeepSpeed's getter, which it knows
+        return _stock_getitem(self, key)
     param = _dict_getitem(self, key)
     state = getattr(param, STATE_ATTR, None) if param is not None else None
-    if state is None or state.coordinator is None or torch.compiler.is_compiling():
+    if state is None or state.coordinator is None or state.compiled:
         return _stock_getitem(self, key)
     running = state.coordinator.running_module()
     if running is None:

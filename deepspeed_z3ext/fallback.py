@@ -397,6 +397,7 @@ def _new(cls, *args, **kwargs):
             opt = getattr(engine, "optimizer", None)
             offload = getattr(opt, "parameter_offload", opt)
             offload.z3ext_fallback = fb  # closed by Z3extZeRoOffload.destroy
+            state.compiled = True  # module hooks are gone: the getter is DeepSpeed's ([Note: external discovery])
             return fb  # not an instance of cls: Python does not call DeepSpeed's __init__ on it
     return object.__new__(cls)
 

@@ -7,6 +7,7 @@ import torch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
+from deepspeed_z3ext import hooks
 from deepspeed_z3ext.coordinator import Z3extCoordinator
 from deepspeed_z3ext.state import Z3extState
 
@@ -28,6 +29,10 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         self.z3ext.coordinator = self.param_coordinator
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])
+
+    def _register_deepspeed_module(self, module, count=None):
+        # z3ext's two hooks per module instead of DeepSpeed's four ([Note: module hooks]).
+        hooks.register(self, module)
 
     def post_sub_module_forward_function(self, sub_module):
         # DeepSpeed's version runs under no_grad; the forward's own grad mode decides whether the

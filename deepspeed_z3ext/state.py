@@ -46,6 +46,7 @@ class Z3extState:
                                          ZeroParamStatus.NOT_AVAILABLE)
         self._units = {}  # module ds_id -> (n external params, FetchUnit)
         self.coordinator = None  # set by Z3extZeRoOffload
+        self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
         self.params = []
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():

@@ -1,0 +1,113 @@
+"""Module hooks: z3ext's two per-module hooks in place of DeepSpeed's four.
+
+[Note: module hooks] DeepSpeed registers four hooks on every module: a forward pre-hook (fetch), a
+forward hook (release), and two more that wrap every output and every input tensor in an autograd
+Function so that backward can fetch before and release after each module. Those wrappers run on
+every forward, grad-enabled or not, and cost more host time than the fetch itself. z3ext registers
+one forward pre-hook and one forward hook per module:
+- pre-forward: the module joins DeepSpeed's forward module stack and the coordinator fetches its unit;
+- post-forward: it leaves the stack, a parameter returned as an output is registered as external to
+  the enclosing module (as DeepSpeed's hook does), and the coordinator releases the unit or holds it
+  for backward ([Note: hold for backward]).
+A held module needs nothing in backward: its parameters are gathered, and the stage-3 optimizer's
+backward epilogue releases what backward held (`release_backward_leftovers`). Only a module that was
+not held in a grad-enabled forward gets backward hooks, and cheap ones: a tensor hook on its outputs
+fetches before its backward, a tensor hook on its inputs releases once their gradient is complete
+(after this module's backward; later than stock when an input has other consumers, never earlier).
+The root module also carries DeepSpeed's start-of-forward hook (`reset_step`).
+"""
+import torch
+from deepspeed.runtime.zero import parameter_offload
+from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
+from deepspeed.utils import z3_leaf_module
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        return (value, )
+    if isinstance(value, (tuple, list)):
+        return tuple(v for v in value if torch.is_tensor(v))
+    if isinstance(value, dict):
+        return tuple(v for v in value.values() if torch.is_tensor(v))
+    return tuple(v for k, v in vars(value).items() if not k.startswith("__") and torch.is_tensor(v)) \
+        if hasattr(value, "__dict__") else ()
+
+
+def _dangling(module, output):
+    """A module that returns one of its parameters (e.g. an embedding's weight for a tied head): the
+    parameter is registered to the enclosing module, which uses it, as DeepSpeed's hook does."""
+    stack = parameter_offload.FWD_MODULE_STACK
+    for t in _tensors(output):
+        param = t if hasattr(t, "ds_id") else getattr(t, "ds_param_alias", None)
+        if param is None or not stack:
+            continue
+        if not any(id(param) in m._external_params for m in stack):
+            param.is_external_param = True
+            register_external_parameter(stack[-1], param)
+            if id(param) in module._external_params:
+                unregister_external_parameter(module, param)
+            param.all_gather()
+
+
+def register(offload, module):
+    """Numbers the module tree (ds_id) and registers z3ext's hooks on every module; handles go to the
+    offload's `forward_hooks`, which DeepSpeed removes and re-registers through this same method."""
+    counter = [0]
+
+    def visit(m):
+        m.ds_id = counter[0]
+        m.ds_recompute_parameters = set()
+        if z3_leaf_module(m):
+            for p in m.parameters():
+                p.ds_z3_leaf_module = m
+        else:
+            for child in m.children():
+                counter[0] += 1
+                visit(child)
+        offload.forward_hooks.append(m.register_forward_pre_hook(_pre_forward))
+        offload.forward_hooks.append(m.register_forward_hook(_post_forward))
+
+    stack = parameter_offload.FWD_MODULE_STACK
+
+    @torch.compiler.disable
+    def _pre_forward(m, args):
+        stack.append(m)
+        offload.param_coordinator.fetch_sub_module(m, forward=True)
+
+    @torch.compiler.disable
+    def _post_forward(m, args, output):
+        if stack and stack[-1] is m:
+            stack.pop()
+        if output is not None and (torch.is_tensor(output) or isinstance(output, (tuple, list))):
+            if any(hasattr(t, "ds_id") or hasattr(t, "ds_param_alias") for t in _tensors(output)):
+                _dangling(m, output)
+        coord = offload.param_coordinator
+        grad = torch.is_grad_enabled()
+        held = coord.release_sub_module(m, forward=True, grad_enabled=grad)
+        if grad and not held and coord.needs_backward_hooks(m):
+            _backward_hooks(coord, m, args, output)
+
+    visit(module)
+
+
+def _backward_hooks(coord, module, args, output):
+    outs = [t for t in _tensors(output) if t.requires_grad]
+    ins = [t for t in _tensors(args) if t.requires_grad]
+    if not outs:
+        return
+    state = {"fetched": False, "pending": len(ins)}
+
+    def before(grad):
+        if not state["fetched"]:
+            state["fetched"] = True
+            coord.fetch_sub_module(module, forward=False)
+
+    def after(grad):
+        state["pending"] -= 1
+        if state["pending"] == 0 and state["fetched"]:
+            coord.release_sub_module(module, forward=False)
+
+    for t in outs:
+        t.register_hook(before)
+    for t in ins:
+        t.register_hook(after)
