@@ -121,6 +121,36 @@ inline bool first_time_on_device(dev_t dev) {
   return seen.insert(dev).second;
 }
 
+// How files of an existing path would be accessed: (direct, memory alignment, offset/size
+// alignment, filesystem name); code != 0 when it cannot be opened. For tests and the benchmark.
+struct Probe {
+  int code = 0;
+  std::string message;
+  bool direct = false;
+  int64_t mem_align = 1;
+  int64_t offset_align = 1;
+  std::string fs;
+};
+
+inline Probe probe(const std::string& path) {
+  Probe p;
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  bool opened_direct = fd >= 0;
+  if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    p.code = errno;
+    p.message = "z3ext aio: cannot open '" + path + "': " + errno_text(p.code);
+    return p;
+  }
+  Mode m = detect_mode(fd, opened_direct);
+  p.direct = m.direct;
+  p.mem_align = m.mem_align;
+  p.offset_align = m.offset_align;
+  p.fs = fs_name(fd);
+  ::close(fd);
+  return p;
+}
+
 struct Op {
   bool read = false;
   int fd = -1;

@@ -113,6 +113,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &AioHandle::close, py::call_guard<py::gil_scoped_release>())
       .def("new_locked", &AioHandle::new_locked, py::arg("numel"), py::arg("example"))
       .def("is_locked", &AioHandle::is_locked, py::arg("tensor"));
+  m.def(
+      "aio_probe",
+      [](const std::string& path) {
+        aio::Probe p = aio::probe(path);
+        return std::make_tuple(p.code, p.message, p.direct, p.mem_align, p.offset_align, p.fs);
+      },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>());
   m.attr("AIO_INVALID") = aio::kInvalid;
   m.attr("AIO_SHORT") = aio::kShort;
 }

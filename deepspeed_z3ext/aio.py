@@ -53,6 +53,15 @@ def _raise(code, message):
     raise err
 
 
+def io_mode(path):
+    """How z3ext's op accesses the existing file `path`: {"direct": bool, "mem_align", "offset_align",
+    "fs"} (O_DIRECT and its alignment, or buffered)."""
+    code, message, direct, mem_align, offset_align, fs = ops().aio_probe(os.fspath(path))
+    if code:
+        _raise(code, message)
+    return {"direct": direct, "mem_align": mem_align, "offset_align": offset_align, "fs": fs}
+
+
 class aio_handle:
     """DeepSpeed's aio_handle API on z3ext's I/O op (see the module docstring)."""
 
