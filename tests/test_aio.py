@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import zlib
 from pathlib import Path
 
@@ -280,43 +279,63 @@ def test_concurrent_load_bit_exact(any_dir):
 
 
 # --------------------------------------------------------------------------------------------- GIL
-def _progress_during(call):
-    """How far a pure-Python counter thread got while `call` ran on this thread."""
-    count, stop, started = [0], threading.Event(), threading.Event()
-
-    def spin():
-        started.set()
-        while not stop.is_set():
-            count[0] += 1
-
-    t = threading.Thread(target=spin)
-    t.start()
-    started.wait()
-    time.sleep(0.01)
-    before = count[0]
-    t0 = time.perf_counter()
-    call()
-    elapsed = time.perf_counter() - t0
-    after = count[0]  # read before this thread can give the GIL back to the spinner
-    stop.set()
-    t.join()
-    return after - before, elapsed
+# Both run in a child process with a timeout: a regression here is a deadlock (a worker finishing an
+# op drops a tensor reference, which takes the GIL), and must fail the test, not hang the job.
+def _run_child(script, *args, timeout=180):
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"child did not finish in {timeout}s (deadlock?): {(e.stdout or b'')[-2000:]!r}")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
 
 
-def test_blocking_calls_release_the_gil(any_dir):
-    # One thread, small blocks: a long call. Without releasing the GIL the counter could not move
-    # at all between the two reads around the call.
-    h = aio_handle(block_size=1 << 16, queue_depth=1)
-    big = _filled(h, 32 << 20, 7)  # 128 MiB
-    path = str(any_dir / "big.bin")
+_GIL_SCRIPT = textwrap.dedent("""
+    import sys, threading, time
+    import torch
+    from deepspeed_z3ext import aio_handle
+
+    def progress_during(call):
+        # How far a pure-Python counter thread got while `call` ran on this thread. Without the GIL
+        # released, the counter cannot move between the two reads around the call.
+        count, stop, started = [0], threading.Event(), threading.Event()
+        def spin():
+            started.set()
+            while not stop.is_set():
+                count[0] += 1
+        t = threading.Thread(target=spin)
+        t.start(); started.wait(); time.sleep(0.01)
+        before = count[0]
+        t0 = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - t0
+        after = count[0]
+        stop.set(); t.join()
+        return after - before, elapsed
+
+    path = sys.argv[1] + "/big.bin"
+    h = aio_handle(block_size=1 << 16, queue_depth=1)  # one thread, small blocks: long calls
+    big = h.new_cpu_locked_tensor(32 << 20, torch.empty(0))  # 128 MiB
+    big.copy_(torch.randn(32 << 20))
     for name, call in (("sync_pwrite", lambda: h.sync_pwrite(big, path)),
                        ("pread", lambda: h.pread(big, path, False, False, 0)),
                        ("wait", lambda: (h.async_pread(big, path), h.wait()))):
-        progress, elapsed = _progress_during(call)
+        progress, elapsed = progress_during(call)
+        print(name, progress, f"{elapsed:.3f}s")
         assert progress > 0, f"{name} held the GIL for {elapsed:.3f}s"
     h.async_pwrite(big, path)
-    progress, _ = _progress_during(lambda: h.close())  # destruction path: waits with the GIL released
+    progress, elapsed = progress_during(lambda: h.close())  # destruction path: waits with the GIL released
+    print("close", progress, f"{elapsed:.3f}s")
     assert progress > 0
+    print("OK")
+""")
+
+
+def test_blocking_calls_release_the_gil(any_dir):
+    _run_child(_GIL_SCRIPT, any_dir)
 
 
 _DEADLOCK_SCRIPT = textwrap.dedent("""
@@ -359,7 +378,4 @@ _DEADLOCK_SCRIPT = textwrap.dedent("""
 def test_deadlock_shape_completes(direct_dir, buffered_dir):
     """DeepSpeed #7727/#8196: a tensor whose cleanup needs the GIL is finished on a worker while the
     caller blocks in wait() / destruction. Run in a child so that a deadlock fails instead of hanging."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _DEADLOCK_SCRIPT, str(direct_dir), str(buffered_dir)], env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _run_child(_DEADLOCK_SCRIPT, direct_dir, buffered_dir)
