@@ -415,6 +415,9 @@ class AioHandle {
     // Chunks stay multiples of the O_DIRECT alignment so every pread/pwrite is aligned.
     int64_t chunk = std::max<int64_t>(block_size_, 1);
     chunk = (chunk + mode.offset_align - 1) / mode.offset_align * mode.offset_align;
+    // Buffered writes to one file serialise on its inode lock: splitting them across threads only
+    // adds contention (measured: half the throughput on tmpfs). One thread per buffered write op.
+    if (!read && !mode.direct) chunk = std::max<int64_t>(op->nbytes, 1);
     std::vector<Chunk> chunks;
     for (int64_t off = 0; off < op->nbytes; off += chunk) chunks.push_back(Chunk{op, off, std::min(chunk, op->nbytes - off)});
     op->chunks_left = static_cast<int64_t>(chunks.size());
