@@ -17,10 +17,12 @@
 #include <ATen/ATen.h>
 #include <Python.h>
 #include <fcntl.h>
+#include <linux/aio_abi.h>
 #include <linux/magic.h>
 #include <pybind11/pybind11.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -81,6 +83,8 @@ inline std::string hex(uintptr_t v) {
 inline Mode detect_mode(int fd, bool opened_direct) {
   Mode m;
   if (!opened_direct) return m;
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) return m;  // devices, pipes: no alignment rules
   struct statx sx;
   std::memset(&sx, 0, sizeof(sx));
   if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN)) {
@@ -155,6 +159,7 @@ struct Op {
   bool read = false;
   int fd = -1;
   bool owns_fd = true;
+  bool direct = false;  // O_DIRECT: its chunks go through kernel AIO when available
   char* base = nullptr;
   at::Tensor buffer;  // keeps the storage alive until the op is done; dropped by the worker
   std::string path;
@@ -198,12 +203,14 @@ class AioHandle {
         overlap_events_(overlap_events),
         intra_op_(intra_op_parallelism),
         locked_(std::make_shared<LockedRegistry>()) {
-    // [Note: aio concurrency] libaio keeps queue_depth requests in flight per thread; with blocking
-    // pread/pwrite, a request in flight is a thread. So: one thread per request allowed in flight,
-    // at least intra_op_parallelism, at most kMaxThreads. Each op is cut into block_size chunks
-    // that all threads take from one queue, so one large op uses every thread.
-    int64_t n = std::max<int64_t>(std::max<int64_t>(intra_op_parallelism, 1),
-                                  std::min<int64_t>(std::max<int64_t>(queue_depth, 1), kMaxThreads));
+    // [Note: aio concurrency] As in DeepSpeed: intra_op_parallelism worker threads, each keeping up
+    // to queue_depth requests in flight. For O_DIRECT files a worker takes up to queue_depth chunks
+    // (block_size each, in file order) and submits them at once through the kernel's native AIO
+    // (io_submit/io_getevents, raw syscalls: no libaio needed); where that is unavailable (io_setup
+    // refused) and for buffered files, which native AIO would run synchronously anyway, a worker
+    // does one blocking pread/pwrite at a time. Every op is cut into chunks that all workers take
+    // from one queue, so one large op uses every thread.
+    int64_t n = std::max<int64_t>(intra_op_parallelism, 1);
     for (int64_t i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
   }
 
@@ -218,8 +225,6 @@ class AioHandle {
 
   AioHandle(const AioHandle&) = delete;
   AioHandle& operator=(const AioHandle&) = delete;
-
-  static constexpr int64_t kMaxThreads = 16;
 
   int64_t block_size() const { return block_size_; }
   int64_t queue_depth() const { return queue_depth_; }
@@ -407,6 +412,7 @@ class AioHandle {
     op->read = read;
     op->fd = fd;
     op->owns_fd = owns_fd;
+    op->direct = mode.direct;
     op->base = static_cast<char*>(buffer.data_ptr());
     op->buffer = buffer;
     op->path = path;
@@ -434,20 +440,101 @@ class AioHandle {
     else work_cv_.notify_all();
   }
 
+  // One native AIO context per worker thread ([Note: aio concurrency]).
+  struct KernelAio {
+    aio_context_t ctx = 0;
+    bool ok = false;
+    explicit KernelAio(int64_t depth) { ok = syscall(SYS_io_setup, static_cast<unsigned>(depth), &ctx) == 0; }
+    ~KernelAio() {
+      if (ok) syscall(SYS_io_destroy, ctx);
+    }
+  };
+
   void run() {
+    const size_t depth = static_cast<size_t>(std::max<int64_t>(queue_depth_, 1));
+    KernelAio kaio(static_cast<int64_t>(depth));
+    std::vector<Chunk> batch;
     for (;;) {
-      Chunk c;
+      batch.clear();
       {
         std::unique_lock<std::mutex> lk(mu_);
         work_cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
         if (queue_.empty()) return;
-        c = std::move(queue_.front());
+        batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
+        if (kaio.ok && batch[0].op->direct) {
+          while (batch.size() < depth && !queue_.empty() && queue_.front().op->direct) {
+            batch.push_back(std::move(queue_.front()));
+            queue_.pop_front();
+          }
+        }
       }
-      if (!c.op->failed.load()) transfer(c);
-      std::shared_ptr<Op> op = std::move(c.op);
-      if (op->chunks_left.fetch_sub(1) == 1) finish(std::move(op));
+      if (kaio.ok && batch[0].op->direct) {
+        submit_and_wait(kaio, batch);
+      } else if (!batch[0].op->failed.load()) {
+        transfer(batch[0]);
+      }
+      for (auto& c : batch) {
+        std::shared_ptr<Op> op = std::move(c.op);
+        if (op->chunks_left.fetch_sub(1) == 1) finish(std::move(op));
+      }
     }
+  }
+
+  // Submits the chunks (of ops that have not failed) as one native AIO batch and waits for all of
+  // them; a short completion is finished synchronously, a refused submission done synchronously.
+  static void submit_and_wait(KernelAio& kaio, std::vector<Chunk>& batch) {
+    std::vector<struct iocb> cbs(batch.size());
+    std::vector<struct iocb*> ptrs;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Chunk& c = batch[i];
+      if (c.op->failed.load()) continue;
+      struct iocb& cb = cbs[i];
+      std::memset(&cb, 0, sizeof(cb));
+      cb.aio_data = i;
+      cb.aio_fildes = static_cast<uint32_t>(c.op->fd);
+      cb.aio_lio_opcode = c.op->read ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
+      cb.aio_buf = reinterpret_cast<uint64_t>(c.op->base + c.buf_off);
+      cb.aio_nbytes = static_cast<uint64_t>(c.len);
+      cb.aio_offset = c.op->file_offset + c.buf_off;
+      ptrs.push_back(&cb);
+    }
+    size_t submitted = 0;
+    while (submitted < ptrs.size()) {
+      long r = syscall(SYS_io_submit, kaio.ctx, static_cast<long>(ptrs.size() - submitted), ptrs.data() + submitted);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) break;  // refused (EAGAIN, EINVAL...): the rest is done synchronously below
+      submitted += static_cast<size_t>(r);
+    }
+    for (size_t k = submitted; k < ptrs.size(); ++k) transfer(batch[ptrs[k]->aio_data]);
+    std::vector<struct io_event> events(std::max<size_t>(submitted, 1));
+    size_t done = 0;
+    while (done < submitted) {
+      long r = syscall(SYS_io_getevents, kaio.ctx, 1L, static_cast<long>(submitted - done), events.data(), nullptr);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        break;  // cannot happen with a valid context; never hang on it
+      }
+      for (long j = 0; j < r; ++j) {
+        const Chunk& c = batch[events[j].data];
+        const int64_t res = events[j].res;
+        if (res < 0) {
+          record_error(*c.op, static_cast<int>(-res), c.op->file_offset + c.buf_off);
+        } else if (res < c.len) {  // short: finish the rest the plain way (EOF and ENOSPC surface there)
+          transfer(Chunk{c.op, c.buf_off + res, c.len - res});
+        }
+      }
+      done += static_cast<size_t>(r);
+    }
+  }
+
+  static void record_error(Op& op, int e, int64_t at) {
+    std::lock_guard<std::mutex> lk(op.mu);
+    if (!op.err || at < op.err_offset) {
+      op.err = e;
+      op.err_offset = at;
+    }
+    op.failed = true;
   }
 
   static void transfer(const Chunk& c) {
@@ -460,13 +547,7 @@ class AioHandle {
       ssize_t r = op.read ? ::pread(op.fd, p, n, at) : ::pwrite(op.fd, p, n, at);
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) {
-        int e = r < 0 ? errno : (op.read ? kShort : ENOSPC);
-        std::lock_guard<std::mutex> lk(op.mu);
-        if (!op.err || at < op.err_offset) {
-          op.err = e;
-          op.err_offset = at;
-        }
-        op.failed = true;
+        record_error(op, r < 0 ? errno : (op.read ? kShort : ENOSPC), at);
         return;
       }
       done += r;
