@@ -3,8 +3,8 @@
     python bench/aio.py                       # auto: an O_DIRECT folder and /dev/shm (tmpfs)
     python bench/aio.py --dirs /nvme/x --block-sizes 128K,1M,8M --queue-depths 1,8,32 --size 512M
 
-Every system reads and writes the same files in the same run, in interleaved rounds (median
-reported). Writes are timed up to an fsync (so page-cache writes are not counted as done); before
+Every system reads and writes the same files in the same run, in interleaved rounds whose order
+rotates (median reported). Writes are timed up to an fsync (so page-cache writes are not counted as done); before
 every read the file is written back and dropped from the page cache (POSIX_FADV_DONTNEED), so no
 system reads another's cached pages. DeepSpeed's op is included when libaio lets it build
 (`apt-get install libaio-dev`); otherwise the results say so. Results go to
@@ -189,8 +189,11 @@ def main():
                 for s in systems:
                     s.buf.copy_(torch.randint(0, 256, (nbytes, ), dtype=torch.uint8))
                 times = {(s.name, op): [] for s in systems for op in ("write", "read")}
-                for _ in range(args.rounds):
-                    for s in systems:  # interleaved: each round runs every system once
+                for rnd in range(args.rounds):
+                    # Interleaved, and rotated: each round runs every system once, each round starting
+                    # with another (the system right after a write+fsync or a cache drop of another
+                    # one measured consistently lower on this virtual disk).
+                    for s in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
                         t0 = time.perf_counter()
                         s.write(path)
                         fsync_path(path)

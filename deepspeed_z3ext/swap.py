@@ -4,7 +4,7 @@ z3ext's I/O op.
 [Note: nvme offload] DeepSpeed keeps doing what it already does for `offload_param.device: nvme`:
 zero.Init writes each large partition to its swap file (AsyncPartitionedParameterSwapper), the
 stage-3 optimizer reads partitions in to build its fp32 master copy and writes the updated
-partitions back after each step. z3ext changes two things:
+partitions back after each step. z3ext adds:
 - the swapper's handles are z3ext's `aio_handle` (no libaio, no GIL held while blocked): a swapper
   built for a config with z3ext enabled is a `Z3extParamSwapper` (dispatched at construction, as
   attach.py does for DeepSpeedZeRoOffload);
@@ -18,8 +18,9 @@ partitions back after each step. z3ext changes two things:
   each read, the partitions that followed it last time are read asynchronously into free buffers, so
   the next unit's I/O overlaps this unit's compute. A wrong guess costs only buffers, which are
   given back (reads completed) whenever a read needs them.
-`write_back` (GatheredParameters with a modifier, checkpoint load) reads the partition in, writes the
-gathered value's slice into it and writes it to its file.
+- `write_back` (GatheredParameters with a modifier_rank) reads the partition in, writes the gathered
+  value's slice into it and writes it to its file;
+- checkpoint load of sub-groups kept on NVMe ([Note: nvme checkpoint load]).
 """
 import types
 

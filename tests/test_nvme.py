@@ -33,13 +33,29 @@ def _train(engine, steps, first_step=0):
     import torch.distributed as dist
     from tests.models import batch
     losses, rank = [], dist.get_rank()
+    on_gpu = dist.get_backend() == "nccl"
     for step in range(first_step, first_step + steps):
         for micro in range(2):
-            loss = engine(batch(2 * step + micro, rank, vocab=64))
+            x = batch(2 * step + micro, rank, vocab=64)
+            loss = engine(x.cuda() if on_gpu else x)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
     return losses
+
+
+def _modify_weights(engine):
+    """Rank 0 rescales the large weights inside GatheredParameters(modifier_rank=0): under z3ext+NVMe
+    the new values must reach every rank's swap files (write_back)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    params = [p for n, p in engine.module.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                for p in params:
+                    p.mul_(0.5)
 
 
 def _swap_files(nvme_path):
@@ -50,6 +66,18 @@ def _swap_files(nvme_path):
 
 
 def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
+    import contextlib
+    import torch
+    import torch.distributed as dist
+    ctx = contextlib.nullcontext()
+    if dist.get_backend() == "nccl":  # deterministic attention backward on GPU
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx = sdpa_kernel(SDPBackend.MATH)
+    with ctx:
+        return _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant)
+
+
+def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -60,6 +88,7 @@ def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     rank = dist.get_rank()
     out = {}
     stock = build_engine(ds_config(persistence=0), model_fn=_model)
+    _modify_weights(stock)
     stock_losses = _train(stock, steps + resume_steps)
     stock_params = full_params(stock)
     stock.destroy()
@@ -78,6 +107,7 @@ def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     out["swapper_type"] = type(nvme_params[0].nvme_swapper).__name__ if nvme_params else None
     out["handle_type"] = type(nvme_params[0].nvme_swapper.aio_read_handle).__module__ if nvme_params else None
     out["swap_files"] = len([f for f in _swap_files(path_a) if f"rank{rank}" in f])
+    _modify_weights(z3)
     z3_losses = _train(z3, steps)
     out["reads"] = eng.reads
     out["read_ahead_hits"] = eng.read_ahead_hits
@@ -102,6 +132,14 @@ def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     out["z3_losses"] = z3_losses
     out["stats_collectives"] = deepspeed_z3ext.stats(z3b).collectives
     z3b.destroy()
+    # GPUDirect Storage would bypass z3ext's op: refused, naming the option.
+    gds = _nvme_config(os.path.join(nvme_path, "c"), variant)
+    gds["aio"]["use_gds"] = True
+    try:
+        build_engine(gds, model_fn=_model)
+        out["gds_error"] = None
+    except Exception as e:
+        out["gds_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -126,7 +164,24 @@ def test_nvme_offload_equals_stock_and_checkpoints(tmp_path, variant):
         assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
         assert r["stats_collectives"] > 0
+        # Refused by z3ext ("aio.use_gds"), or on CPU already by DeepSpeed itself.
+        assert r["gds_error"] and ("aio.use_gds" in r["gds_error"] or "GDS" in r["gds_error"]), r
         if variant == "per_module":
             assert r["reads"] >= r["n_nvme"] * 6, r  # forward and backward of each step
             assert r["read_ahead_hits"] >= r["n_nvme"] * 3, r
     assert results[0]["z3_losses"][0] != results[0]["z3_losses"][-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs (run on the device)")
+def test_nvme_offload_gpu(tmp_path):
+    """The same on 2 GPUs (NCCL, fp32): partitions read into CPU swap buffers, gathered to the GPU on
+    z3ext's stream, buffers given back only after the gather finished."""
+    results = run_on_ranks(nvme_vs_stock, backend="nccl", nvme_path=str(tmp_path / "nvme"),
+                           ckpt_path=str(tmp_path / "ckpt"), steps=3, resume_steps=2, variant="per_module",
+                           timeout=300)
+    for rank, r in enumerate(results):
+        assert r["engine_type"] == "NvmeGatherEngine" and r["n_nvme"] >= 4, r
+        assert not r["loaded_mismatch"], f"rank {rank}: checkpoint load differs: {r['loaded_mismatch']}"
+        assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
