@@ -137,7 +137,6 @@ class NvmeGatherEngine:
         self._succ = {}      # ds_id -> ds_id read right after it last time ([Note: nvme read-ahead])
         self._last = None    # the ds_id read last
         self._ahead = set()  # ds_ids read ahead, not yet gathered
-        self._max_read = 0   # most partitions one gather has read
         self.reads = 0       # partitions read in for gathers (stats and tests)
         self.read_ahead_hits = 0
 
@@ -238,13 +237,12 @@ class NvmeGatherEngine:
 
     # [Note: nvme read-ahead] Each partition read remembers which one was read right after it (the
     # gathers of one step repeat in the next). After a gather, the chain of successors of the last
-    # partition read is read asynchronously into free buffers, keeping back as many as the largest
-    # gather has needed, so the next unit's I/O overlaps this unit's compute. A wrong guess only
-    # holds buffers, given back whenever a read needs them.
+    # partition read is read asynchronously into free buffers, keeping back as many as this gather
+    # needed (units tend to repeat in size), so the next unit's I/O overlaps this unit's compute. A
+    # wrong guess only holds buffers, given back (reads completed) whenever a read needs them.
     def _read_ahead(self, n_read):
         sw = self._swapper
-        self._max_read = max(self._max_read, n_read)
-        budget = sw.available_swap_in_buffers() - self._max_read
+        budget = sw.available_swap_in_buffers() - n_read
         want, seen, cur = [], set(), self._last
         while len(want) < budget:
             cur = self._succ.get(cur)
