@@ -4,7 +4,8 @@
     python bench/aio.py --dirs /nvme/x --block-sizes 128K,1M,8M --queue-depths 1,8,32 --size 512M
 
 Every system reads and writes the same files in the same run, in interleaved rounds whose order
-rotates (median reported). Writes are timed up to an fsync (so page-cache writes are not counted as done); before
+rotates (median reported); with --isolated each system runs in its own process per round (no other
+I/O op loaded alongside it). Writes are timed up to an fsync (so page-cache writes are not counted as done); before
 every read the file is written back and dropped from the page cache (POSIX_FADV_DONTNEED), so no
 system reads another's cached pages. DeepSpeed's op is included when libaio lets it build
 (`apt-get install libaio-dev`); otherwise the results say so. Results go to
@@ -154,6 +155,49 @@ def default_dirs():
 
 
 # ---------------------------------------------------------------------------------------------- run
+def measure(s, path, times, key):
+    """One write (to an fsync) and one read (from a dropped cache) of system `s`."""
+    t0 = time.perf_counter()
+    s.write(path)
+    fsync_path(path)
+    times.setdefault(key + ("write", ), []).append(time.perf_counter() - t0)
+    drop_cache(path)
+    t0 = time.perf_counter()
+    s.read(path)
+    times.setdefault(key + ("read", ), []).append(time.perf_counter() - t0)
+    drop_cache(path)
+
+
+def make_system(name, bs, qd, nbytes, ds_factory):
+    from deepspeed_z3ext import aio_handle
+    if name == "python":
+        s = PythonSystem(nbytes)
+    else:
+        s = HandleSystem(name, aio_handle if name == "z3ext" else ds_factory, bs, qd, nbytes)
+    s.buf.copy_(torch.randint(0, 256, (nbytes, ), dtype=torch.uint8))
+    return s
+
+
+def child_pass(name, dirs, block_sizes, depths, nbytes):
+    """--isolated: this process measures every configuration once for one system."""
+    ds_factory = deepspeed_factory()[0] if name == "deepspeed" else None
+    times = {}
+    for d in dirs:
+        for bs in block_sizes:
+            for qd in depths:
+                s = make_system(name, bs, qd, nbytes, ds_factory)
+                measure(s, str(Path(d) / "bench.bin"), times, (name, str(d), bs, qd))
+                del s
+    print("CHILD_RESULT " + json.dumps([list(k) + [v[0]] for k, v in times.items()]), flush=True)
+
+
+def rotated(names, rnd):
+    # Each round starts with another system: the system measured right after another one's
+    # write+fsync or cache drop measured consistently lower on this virtual disk.
+    k = rnd % len(names)
+    return names[k:] + names[:k]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dirs", default="auto", help="comma-separated folders (auto: an O_DIRECT one and /dev/shm)")
@@ -161,60 +205,60 @@ def main():
     ap.add_argument("--block-sizes", default="128K,1M,8M")
     ap.add_argument("--queue-depths", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--isolated", action="store_true",
+                    help="each system in its own process per round (no other I/O op loaded alongside)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--name", default=f"{os.cpu_count()}xCPU")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
 
-    import deepspeed_z3ext
-    from deepspeed_z3ext import aio_handle
+    import deepspeed_z3ext  # noqa: F401  (builds the ops once, before any timing)
     nbytes = parse_size(args.size)
-    dirs = default_dirs() if args.dirs == "auto" else [Path(d) for d in args.dirs.split(",")]
     block_sizes = [parse_size(b) for b in args.block_sizes.split(",")]
     depths = [int(q) for q in args.queue_depths.split(",")]
+    if args.child:
+        return child_pass(args.child, [Path(d) for d in args.dirs.split(",")], block_sizes, depths, nbytes)
+    dirs = default_dirs() if args.dirs == "auto" else [Path(d) for d in args.dirs.split(",")]
     ds_factory, ds_missing = deepspeed_factory()
     info = machine(dirs)
     info["deepspeed_async_io"] = ds_missing or "available"
+    info["mode"] = "isolated processes" if args.isolated else "one process"
     print(json.dumps(info, indent=1))
+    names = ["z3ext"] + (["deepspeed"] if ds_factory is not None else []) + ["python"]
+
+    times = {}
+    if args.isolated:
+        for rnd in range(args.rounds):
+            for name in rotated(names, rnd):
+                cmd = [sys.executable, __file__, "--child", name, "--dirs", ",".join(map(str, dirs)), "--size",
+                       args.size, "--block-sizes", args.block_sizes, "--queue-depths", args.queue_depths]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                line = [x for x in r.stdout.splitlines() if x.startswith("CHILD_RESULT ")]
+                if r.returncode or not line:
+                    raise SystemExit(f"bench child {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+                for name_, d, bs, qd, op, sec in json.loads(line[0].split(" ", 1)[1]):
+                    times.setdefault((name_, d, bs, qd, op), []).append(sec)
+                print(f"round {rnd}: {name} done", flush=True)
+    else:
+        for d in dirs:
+            for bs in block_sizes:
+                for qd in depths:
+                    systems = {n: make_system(n, bs, qd, nbytes, ds_factory) for n in names}
+                    for rnd in range(args.rounds):
+                        for n in rotated(names, rnd):
+                            measure(systems[n], str(Path(d) / "bench.bin"), times, (n, str(d), bs, qd))
+                    del systems
+                    print(f"{d} bs={human(bs)} qd={qd} done", flush=True)
 
     rows = []
-    python = PythonSystem(nbytes)
+    for (name, d, bs, qd, op), ts in times.items():
+        fs = info["filesystems"][str(d)]
+        rows.append(dict(dir=str(d), fs=fs["fs"], direct=fs["direct"], block_size=bs, queue_depth=qd, system=name,
+                         op=op, seconds=statistics.median(ts), times=ts, gbps=nbytes / statistics.median(ts) / 1e9))
     for d in dirs:
-        path = str(Path(d) / "bench.bin")
-        for bs in block_sizes:
-            for qd in depths:
-                systems = [HandleSystem("z3ext", aio_handle, bs, qd, nbytes)]
-                if ds_factory is not None:
-                    systems.append(HandleSystem("deepspeed", ds_factory, bs, qd, nbytes))
-                systems.append(python)
-                for s in systems:
-                    s.buf.copy_(torch.randint(0, 256, (nbytes, ), dtype=torch.uint8))
-                times = {(s.name, op): [] for s in systems for op in ("write", "read")}
-                for rnd in range(args.rounds):
-                    # Interleaved, and rotated: each round runs every system once, each round starting
-                    # with another (the system right after a write+fsync or a cache drop of another
-                    # one measured consistently lower on this virtual disk).
-                    for s in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
-                        t0 = time.perf_counter()
-                        s.write(path)
-                        fsync_path(path)
-                        times[(s.name, "write")].append(time.perf_counter() - t0)
-                        drop_cache(path)
-                        t0 = time.perf_counter()
-                        s.read(path)
-                        times[(s.name, "read")].append(time.perf_counter() - t0)
-                        drop_cache(path)
-                for (name, op), ts in times.items():
-                    rows.append(dict(dir=str(d), fs=info["filesystems"][str(d)]["fs"],
-                                     direct=info["filesystems"][str(d)]["direct"], block_size=bs, queue_depth=qd,
-                                     system=name, op=op, seconds=statistics.median(ts), times=ts,
-                                     gbps=nbytes / statistics.median(ts) / 1e9))
-                    print(f"{rows[-1]['fs']:6} bs={human(bs):>4} qd={qd:>3} {name:9} {op:5} "
-                          f"{rows[-1]['gbps']:6.2f} GB/s", flush=True)
-                for s in systems:
-                    if isinstance(s, HandleSystem):
-                        del s.buf
-                        del s.h
-        os.unlink(path)
+        p = Path(d) / "bench.bin"
+        if p.exists():
+            p.unlink()
 
     text = report(rows, info, nbytes, args)
     print(text)
@@ -234,7 +278,8 @@ def main():
 def report(rows, info, nbytes, args):
     by = {(r["dir"], r["block_size"], r["queue_depth"], r["system"], r["op"]): r["gbps"] for r in rows}
     systems = [s for s in ("z3ext", "deepspeed", "python") if any(r["system"] == s for r in rows)]
-    lines = [f"bench/aio.py: {human(nbytes)} per op, median of {args.rounds} interleaved rounds, GB/s (1e9 B/s)",
+    lines = [f"bench/aio.py: {human(nbytes)} per op, median of {args.rounds} interleaved rounds ({info['mode']}), "
+             "GB/s (1e9 B/s)", f"command: python {' '.join(sys.argv)}",
              f"CPU: {info['cpu']} x{info['cores']}; kernel {info['kernel']}; torch {info['torch']}; "
              f"deepspeed {info['deepspeed']}; DeepSpeed async_io: {info['deepspeed_async_io']}"]
     for d, fs in info["filesystems"].items():
