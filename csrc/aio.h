@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -210,6 +211,9 @@ class AioHandle {
     // refused) and for buffered files, which native AIO would run synchronously anyway, a worker
     // does one blocking pread/pwrite at a time. Every op is cut into chunks that all workers take
     // from one queue, so one large op uses every thread.
+    // Z3EXT_AIO_BACKEND=pread forces the fallback (tests, and a way out should native AIO misbehave).
+    const char* backend = std::getenv("Z3EXT_AIO_BACKEND");
+    native_aio_ = !(backend && std::string(backend) == "pread");
     int64_t n = std::max<int64_t>(intra_op_parallelism, 1);
     for (int64_t i = 0; i < n; ++i) threads_.emplace_back([this] { run(); });
   }
@@ -232,6 +236,8 @@ class AioHandle {
   bool overlap_events() const { return overlap_events_; }
   int64_t intra_op_parallelism() const { return intra_op_; }
   int64_t num_threads() const { return static_cast<int64_t>(threads_.size()); }
+  // Whether O_DIRECT chunks go through native AIO (false: forced off, or io_setup refused).
+  bool native_aio() const { return native_aio_ && native_aio_ok_.load(); }
 
   // Queues a read (or write) of the whole of `buffer` at `file_offset` of `path`.
   Status submit(const at::Tensor& buffer, const std::string& path, int64_t file_offset, bool read) {
@@ -444,7 +450,9 @@ class AioHandle {
   struct KernelAio {
     aio_context_t ctx = 0;
     bool ok = false;
-    explicit KernelAio(int64_t depth) { ok = syscall(SYS_io_setup, static_cast<unsigned>(depth), &ctx) == 0; }
+    explicit KernelAio(int64_t depth) {
+      ok = depth > 0 && syscall(SYS_io_setup, static_cast<unsigned>(depth), &ctx) == 0;
+    }
     ~KernelAio() {
       if (ok) syscall(SYS_io_destroy, ctx);
     }
@@ -452,7 +460,8 @@ class AioHandle {
 
   void run() {
     const size_t depth = static_cast<size_t>(std::max<int64_t>(queue_depth_, 1));
-    KernelAio kaio(static_cast<int64_t>(depth));
+    KernelAio kaio(native_aio_ ? static_cast<int64_t>(depth) : 0);
+    if (!kaio.ok) native_aio_ok_ = false;
     std::vector<Chunk> batch;
     for (;;) {
       batch.clear();
@@ -584,6 +593,8 @@ class AioHandle {
   const int64_t block_size_, queue_depth_;
   const bool single_submit_, overlap_events_;
   const int64_t intra_op_;
+  bool native_aio_ = true;
+  std::atomic<bool> native_aio_ok_{true};
   std::shared_ptr<LockedRegistry> locked_;
 
   std::mutex mu_;  // guards everything below

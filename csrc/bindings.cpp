@@ -92,6 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("overlap_events", &AioHandle::overlap_events)
       .def_property_readonly("intra_op_parallelism", &AioHandle::intra_op_parallelism)
       .def_property_readonly("num_threads", &AioHandle::num_threads)
+      .def_property_readonly("native_aio", &AioHandle::native_aio)
       .def(
           "submit",
           [](AioHandle& h, const at::Tensor& buffer, const std::string& path, int64_t offset, bool read) {
