@@ -1,5 +1,6 @@
 // The one binding file: exposes the z3ext concepts (claims, handles, units, the gather engine).
 #include <torch/csrc/utils/pybind.h>
+#include "aio.h"
 #include "engine.h"
 
 namespace py = pybind11;
@@ -78,4 +79,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["pool_evicted"] = p.evicted;
         return d;
       });
+
+  // -- AIO: file I/O of CPU tensors on C++ worker threads ([Note: aio and the GIL], aio.h) -----
+  // Every call that can block releases the GIL; errors come back as values ([Note: aio errors]).
+  using aio::AioHandle;
+  py::class_<AioHandle, std::shared_ptr<AioHandle>>(m, "AioHandle")
+      .def(py::init<int64_t, int64_t, bool, bool, int64_t>(), py::arg("block_size"), py::arg("queue_depth"),
+           py::arg("single_submit"), py::arg("overlap_events"), py::arg("intra_op_parallelism"))
+      .def_property_readonly("block_size", &AioHandle::block_size)
+      .def_property_readonly("queue_depth", &AioHandle::queue_depth)
+      .def_property_readonly("single_submit", &AioHandle::single_submit)
+      .def_property_readonly("overlap_events", &AioHandle::overlap_events)
+      .def_property_readonly("intra_op_parallelism", &AioHandle::intra_op_parallelism)
+      .def_property_readonly("num_threads", &AioHandle::num_threads)
+      .def_property_readonly("native_aio", &AioHandle::native_aio)
+      .def(
+          "submit",
+          [](AioHandle& h, const at::Tensor& buffer, const std::string& path, int64_t offset, bool read) {
+            aio::Status s = h.submit(buffer, path, offset, read);
+            return std::make_tuple(s.code, s.message, s.notice);
+          },
+          py::arg("buffer"), py::arg("path"), py::arg("file_offset"), py::arg("read"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "submit_fd",
+          [](AioHandle& h, const at::Tensor& buffer, int fd, int64_t offset) {
+            aio::Status s = h.submit_fd(buffer, fd, offset);
+            return std::make_tuple(s.code, s.message, s.notice);
+          },
+          py::arg("buffer"), py::arg("fd"), py::arg("file_offset"), py::call_guard<py::gil_scoped_release>())
+      .def("wait", &AioHandle::wait, py::call_guard<py::gil_scoped_release>())
+      .def("take_errors", &AioHandle::take_errors)
+      .def_property_readonly("pending", &AioHandle::pending)
+      .def("close", &AioHandle::close, py::call_guard<py::gil_scoped_release>())
+      .def("new_locked", &AioHandle::new_locked, py::arg("numel"), py::arg("example"))
+      .def("is_locked", &AioHandle::is_locked, py::arg("tensor"));
+  m.def(
+      "aio_probe",
+      [](const std::string& path) {
+        aio::Probe p = aio::probe(path);
+        return std::make_tuple(p.code, p.message, p.direct, p.mem_align, p.offset_align, p.fs);
+      },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>());
+  m.attr("AIO_INVALID") = aio::kInvalid;
+  m.attr("AIO_SHORT") = aio::kShort;
 }

@@ -7,6 +7,7 @@ The first import JIT-builds the ops (cached afterwards). Without a "z3ext" secti
 unchanged.
 """
 from deepspeed_z3ext._ops import ops as _ops
+from deepspeed_z3ext.aio import AioError, aio_handle
 from deepspeed_z3ext.attach import install as _install
 from deepspeed_z3ext.config import Z3extConfig, Z3extConfigError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
@@ -20,4 +21,4 @@ ClaimKind = _ops().ClaimKind
 _install()
 
 __all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
-           "FallbackStats"]
+           "FallbackStats", "aio_handle", "AioError"]

@@ -20,7 +20,7 @@ import os
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-from deepspeed_z3ext import external, fallback, gathered
+from deepspeed_z3ext import external, fallback, gathered, swap
 from deepspeed_z3ext.config import SECTION, Z3extConfigError, parse_section, unsupported_options
 
 _installed = False
@@ -76,4 +76,5 @@ def install():
     gathered.install()
     external.install()
     fallback.install()
+    swap.install()
     _installed = True

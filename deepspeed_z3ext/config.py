@@ -77,7 +77,9 @@ def unsupported_options(ds_config) -> list:
         found.append("zero_optimization.use_all_reduce_for_fetch_params")
     op = getattr(zc, "offload_param", None)
     if op is not None and str(getattr(op, "device", "none")).endswith("nvme"):
-        found.append('zero_optimization.offload_param.device = "nvme" (NVMe parameter offload)')
+        # NVMe parameter offload goes through z3ext's I/O op (swap.py), which reads into CPU buffers.
+        if (getattr(ds_config, "aio_config", None) or {}).get("use_gds", False):
+            found.append('aio.use_gds with offload_param.device = "nvme" (GPUDirect Storage)')
     if getattr(ds_config, "torch_autocast_enabled", False):
         found.append("torch_autocast.enabled")
     compile_cfg = getattr(ds_config, "compile_config", None)
