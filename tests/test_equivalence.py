@@ -26,7 +26,7 @@ def _train(engine, steps, ga, check):
     return losses
 
 
-def compare_with_stock(persistence, inside_init, mel, steps=3, ga=2):
+def compare_with_stock(persistence, inside_init, mel, steps=3, ga=2, z3ext_options=None, zero_extra=None):
     import torch
     import deepspeed_z3ext
     from tests.models import build_engine, ds_config, full_params
@@ -44,11 +44,12 @@ def compare_with_stock(persistence, inside_init, mel, steps=3, ga=2):
             leftovers.append((step, stray))
         assert st.live_bytes >= 0
 
-    stock = build_engine(ds_config(persistence=persistence, mel=mel, ga=ga), inside_init=inside_init)
+    stock = build_engine(ds_config(persistence=persistence, mel=mel, ga=ga, zero_extra=zero_extra), inside_init=inside_init)
     stock_losses = _train(stock, steps, ga, no_check)
     stock_params = full_params(stock)
 
-    z3 = build_engine(ds_config(z3ext=True, persistence=persistence, mel=mel, ga=ga), inside_init=inside_init)
+    z3 = build_engine(ds_config(z3ext={"enabled": True, **(z3ext_options or {})}, persistence=persistence, mel=mel,
+                                ga=ga, zero_extra=zero_extra), inside_init=inside_init)
     z3_losses = _train(z3, steps, ga, check_released)
     z3_params = full_params(z3)
     st = deepspeed_z3ext.stats(z3)
@@ -76,3 +77,16 @@ def test_bitwise_equal_to_stock(persistence, inside_init, mel):
             assert r["n_persistent"] > 0
     # Training moved the losses (the comparison is not between two untouched models).
     assert results[0]["z3_losses"][0] != results[0]["z3_losses"][-1]
+
+
+@pytest.mark.parametrize("case", ["no-hold", "partial-hold"])
+def test_bitwise_equal_to_stock_when_backward_regathers(case):
+    """Modules not held for backward get z3ext's backward tensor hooks ([Note: module hooks]): all of
+    them without hold_for_backward, the later ones when stage3_max_live_parameters stops the hold."""
+    kw = dict(z3ext_options={"hold_for_backward": False}) if case == "no-hold" else \
+        dict(zero_extra={"stage3_max_live_parameters": 6000, "stage3_prefetch_bucket_size": 3000})
+    results = run_on_ranks(compare_with_stock, persistence=0, inside_init=True, mel=True, **kw)
+    for rank, r in enumerate(results):
+        assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+        assert not r["leftovers"], f"rank {rank}: parameters left gathered: {r['leftovers']}"
