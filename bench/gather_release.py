@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -273,6 +274,60 @@ def nvml_snapshot():
         return str(e)
 
 
+class NvmlSampler:
+    """Samples this rank's GPU SM clock (MHz) and power (W) on a thread every `period` seconds while a
+    system's timed steps run (`with sampler.during(samples):`); a no-op without CUDA or NVML."""
+
+    def __init__(self, device, period=0.02):
+        self.period, self.handle, self.error = period, None, None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            p = torch.cuda.get_device_properties(device)
+            try:  # CUDA and NVML may number devices differently (CUDA_VISIBLE_DEVICES): match by PCI bus
+                bus = f"{getattr(p, 'pci_domain_id', 0):08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+                self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            except Exception:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        except Exception as e:  # no NVML: numbers without clocks and power
+            self.error = f"{type(e).__name__}: {e}"[:200]
+
+    def _loop(self, out, stop):
+        nv, h = self.nvml, self.handle
+        while not stop.wait(self.period):
+            try:
+                out["sm_clock_MHz"].append(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+                out["power_W"].append(nv.nvmlDeviceGetPowerUsage(h) / 1e3)
+            except Exception as e:
+                self.error = f"{type(e).__name__}: {e}"[:200]
+                return
+
+    def during(self, out):
+        sampler = self
+
+        class _During:
+
+            def __enter__(self):
+                if sampler.handle is None:
+                    return self
+                out.setdefault("sm_clock_MHz", [])
+                out.setdefault("power_W", [])
+                self.stop = threading.Event()
+                self.thread = threading.Thread(target=sampler._loop, args=(out, self.stop), daemon=True)
+                self.thread.start()
+                return self
+
+            def __exit__(self, *exc):
+                if sampler.handle is not None:
+                    self.stop.set()
+                    self.thread.join()
+
+        return _During()
+
+
 def run(a):
     import deepspeed
     import torch.distributed as dist
@@ -291,6 +346,7 @@ def run(a):
     x, tiny = make_input(a, device), make_input(a, device, tiny=True)
     clock = Clock(device)
     samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[]) for n in systems}
+    nvml, gpu = NvmlSampler(device), {n: {} for n in systems}  # clocks and power during each system's steps
     try:
         from tqdm import tqdm
         bar = tqdm(total=a.rounds * len(systems), disable=rank != 0, desc="bench", file=sys.stdout)
@@ -305,13 +361,14 @@ def run(a):
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-            for _ in range(a.steps):
-                f, b, o = time_train_step(s, x, clock)
-                samples[n]["fwd"].append(f)
-                samples[n]["bwd"].append(b)
-                samples[n]["opt"].append(o)
-                samples[n]["step"].append(f + b + o)
-                samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
+            with nvml.during(gpu[n]):
+                for _ in range(a.steps):
+                    f, b, o = time_train_step(s, x, clock)
+                    samples[n]["fwd"].append(f)
+                    samples[n]["bwd"].append(b)
+                    samples[n]["opt"].append(o)
+                    samples[n]["step"].append(f + b + o)
+                    samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
             if device.type == "cuda":
                 samples[n]["peak"].append(torch.cuda.max_memory_allocated() - base + s.resident)
             if bar:
@@ -323,6 +380,9 @@ def run(a):
     result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
     for n, smp in samples.items():
         med = {k: statistics.median(v) for k, v in smp.items() if v}
+        for k, v in gpu[n].items():
+            if v:
+                med[k + "_median"], med[k + "_min"], med[k + "_max"] = statistics.median(v), min(v), max(v)
         if n.startswith("z3ext"):
             st = deepspeed_z3ext.stats(systems[n].model)
             med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
@@ -337,6 +397,8 @@ def run(a):
             result["systems"][n]["us_per_unit_tiny_fwd"] = t * 1e3 / n_units
             result["systems"][n]["us_per_param_tiny_fwd"] = t * 1e3 / n_tensors
     result["nvml"] = nvml_snapshot() if device.type == "cuda" else None
+    result["nvml_sampling"] = nvml.error or ("every %.0f ms during each system's timed steps (rank 0's GPU)" % (
+        nvml.period * 1e3) if nvml.handle is not None else "off (no CUDA)")
     # Rank 0's view; every rank ran the same work in lockstep.
     return result
 
@@ -358,6 +420,12 @@ def table(res, machine):
     for n, m in s.items():
         peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
         lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak}")
+    if any("power_W_median" in m for m in s.values()):
+        lines.append(f"# during the timed steps ({res.get('nvml_sampling')}): SM clock MHz median [min], power W median [max]")
+        for n, m in s.items():
+            if "power_W_median" in m:
+                lines.append(f"{n:>12} {m['sm_clock_MHz_median']:7.0f} [{m['sm_clock_MHz_min']:.0f}] MHz "
+                             f"{m['power_W_median']:7.1f} [{m['power_W_max']:.1f}] W")
     for n, why in res["skipped"].items():
         lines.append(f"{n:>12} skipped: {why}")
     if "z3ext" in s:
