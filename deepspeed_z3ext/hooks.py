@@ -21,6 +21,8 @@ from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext.state import STATE_ATTR
+
 
 def _tensors(value):
     if torch.is_tensor(value):
@@ -46,7 +48,13 @@ def _dangling(module, output):
             register_external_parameter(stack[-1], param)
             if id(param) in module._external_params:
                 unregister_external_parameter(module, param)
-            param.all_gather()
+            state = getattr(param, STATE_ATTR, None)
+            if state is not None:
+                # Claimed for the enclosing module's forward: a direct gather would end with the
+                # release of `module`, which comes next, before the enclosing module uses it.
+                state.discover_external(stack[-1], param)
+            else:
+                param.all_gather()
 
 
 def register(offload, module):

@@ -235,3 +235,64 @@ def test_divergence_degrades_prefetch_and_warns_at_most_once_per_n(warn_every):
         else:
             # 8 steps x 4 forwards = 32 forwards, most diverging: one warning per 10 forwards at most.
             assert 1 <= r["warnings"] <= 32 // warn_every + 1, r
+
+
+# ------------------------------------------------------- parameters returned by a module's forward
+def dangling_parameter():
+    """A submodule that returns its own parameter (the weight tying pattern: an embedding hands its
+    weight to the head); the parent uses it after the submodule's forward has ended. DeepSpeed's hook
+    registers such a parameter to the enclosing module; z3ext's hooks do the same."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torch.distributed as dist
+    from tests.models import build_engine, ds_config, full_params
+
+    class WeightOf(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(24, 16) * 0.1)
+
+        def forward(self):
+            return self.weight
+
+    class Net(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.tied = WeightOf()
+
+        def forward(self, x, y):
+            w = self.tied()  # the parameter itself comes back as the output
+            h = torch.tanh(self.inp(x))
+            return F.mse_loss(F.linear(h, w).sum(-1), y)
+
+    out = {}
+    rank = dist.get_rank()
+    # Without hold_for_backward the submodule's release would partition the weight before the parent
+    # uses it, unless it was registered to the parent.
+    configs = {"stock": False, "z3ext": {"enabled": True, "hold_for_backward": False}, "z3ext-hold": True}
+    for name, z3 in configs.items():
+        eng = build_engine(ds_config(z3ext=z3, persistence=0, ga=2), model_fn=Net)
+        losses = []
+        for i in range(6):
+            g = torch.Generator().manual_seed(31 * i + rank)
+            loss = eng(torch.randn(2, 8, generator=g), torch.randn(2, generator=g))
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        out[name] = losses
+        out[name + "_params"] = full_params(eng)
+    out["params_equal"] = all(
+        torch.equal(out["stock_params"][k], out[z + "_params"][k]) for k in out["stock_params"] for z in ("z3ext", "z3ext-hold"))
+    for name in configs:
+        del out[name + "_params"]
+    return out
+
+
+def test_parameter_returned_by_a_module_matches_stock():
+    for r in run_on_ranks(dangling_parameter):
+        assert r["stock"] == r["z3ext"] == r["z3ext-hold"] and r["params_equal"], r
+        assert r["z3ext"][0] != r["z3ext"][-1]
