@@ -35,14 +35,13 @@ def _tensors(value):
         if hasattr(value, "__dict__") else ()
 
 
-def _dangling(module, output):
+def _dangling(module, params):
     """A module that returns one of its parameters (e.g. an embedding's weight for a tied head): the
     parameter is registered to the enclosing module, which uses it, as DeepSpeed's hook does."""
     stack = parameter_offload.FWD_MODULE_STACK
-    for t in _tensors(output):
-        param = t if hasattr(t, "ds_id") else getattr(t, "ds_param_alias", None)
-        if param is None or not stack:
-            continue
+    for param in params:
+        if not stack:
+            return
         if not any(id(param) in m._external_params for m in stack):
             param.is_external_param = True
             register_external_parameter(stack[-1], param)
@@ -86,9 +85,11 @@ def register(offload, module):
     def _post_forward(m, args, output):
         if stack and stack[-1] is m:
             stack.pop()
-        if output is not None and (torch.is_tensor(output) or isinstance(output, (tuple, list))):
-            if any(hasattr(t, "ds_id") or hasattr(t, "ds_param_alias") for t in _tensors(output)):
-                _dangling(m, output)
+        if output is not None:
+            returned = [t if hasattr(t, "ds_id") else t.ds_param_alias for t in _tensors(output)
+                        if hasattr(t, "ds_id") or hasattr(t, "ds_param_alias")]
+            if returned:
+                _dangling(m, returned)
         coord = offload.param_coordinator
         grad = torch.is_grad_enabled()
         held = coord.release_sub_module(m, forward=True, grad_enabled=grad)

@@ -3,7 +3,6 @@
 DeepSpeed keeps partitioning, its module hooks, gradient reduce-scatter, the optimizer and
 checkpoints; the coordinator behind the hooks and the per-parameter entry points are z3ext's.
 """
-import torch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
@@ -33,11 +32,6 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
     def _register_deepspeed_module(self, module, count=None):
         # z3ext's two hooks per module instead of DeepSpeed's four ([Note: module hooks]).
         hooks.register(self, module)
-
-    def post_sub_module_forward_function(self, sub_module):
-        # DeepSpeed's version runs under no_grad; the forward's own grad mode decides whether the
-        # module's parameters are held for its backward ([Note: hold for backward]).
-        self.param_coordinator.release_sub_module(sub_module, forward=True, grad_enabled=torch.is_grad_enabled())
 
     def partition_all_parameters(self):
         # Stock re-checks every parameter here; after the sweep only parameters of live
