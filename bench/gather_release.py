@@ -22,8 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2")
-# Optional variants: "z3ext-nohold" (z3ext with hold_for_backward off: re-gathers in backward).
+SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2", "stock-mel", "z3ext-mel", "fsdp2-mel")
+TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench linear])
+# "<system>-mel": the system under DeepSpeed's process-wide linear replacement ([Note: bench linear]):
+# DeepSpeed's defaults for stock and z3ext; for FSDP2 and unsharded, what a process that ran zero.Init
+# gets. Optional: "z3ext-nohold" (hold_for_backward off: re-gathers in backward), "z3ext-nopool"
+# (pool_budget_mb 0: released buffers go back to torch's allocator), "z3ext@N" (the sweep).
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -90,7 +94,7 @@ def make_input(a, device, tiny=False):
 
 
 # ---------------------------------------------------------------------------------------------- systems
-def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None):
+def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None, mel=False):
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -100,6 +104,12 @@ def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None):
             "stage3_prefetch_bucket_size": a.prefetch_bucket if prefetch_bucket is None else prefetch_bucket,
             "stage3_max_live_parameters": a.max_live,
             "overlap_comm": True,
+            # [Note: bench linear] zero.Init with memory_efficient_linear (DeepSpeed's default) replaces
+            # torch.nn.functional.linear for the whole process, for good: every later Linear, the unsharded
+            # and FSDP2 models' too, pays an autograd.Function whose apply binds its signature with inspect
+            # on every call. Off by default here (a tuned knob, the same for stock and z3ext); each system
+            # also runs with the linear it was built with (`System.linear`).
+            "memory_efficient_linear": a.memory_efficient_linear or mel,
         },
         "steps_per_print": 10**9,
     }
@@ -113,9 +123,10 @@ def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None):
 class System:
     """One way of running the model: `forward(x)`, `backward(loss)`, `step()`."""
 
-    def __init__(self, name, model, forward, backward, step, resident):
+    def __init__(self, name, model, forward, backward, step, resident, linear=None):
         self.name, self.model, self.forward, self.backward, self.step = name, model, forward, backward, step
         self.resident = resident
+        self.linear = linear or TORCH_LINEAR  # see [Note: bench linear]
 
 
 def _opt(params, a, device):
@@ -127,17 +138,26 @@ def build_system(name, a, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    if name in ("stock", "z3ext", "z3ext-nohold") or name.startswith("z3ext@"):
+    # name = base[@bucket][-variant...]; variants: mel (any system), nohold and nopool (z3ext)
+    base, *variants = name.split("-")
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool")]
+    if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
+        raise ValueError(f"unknown system {name!r}")
+    mel = "mel" in variants
+    if base.split("@")[0] in ("stock", "z3ext"):
         # "z3ext@N": z3ext gathering up to N elements per collective (the unit-size sweep)
-        bucket = int(float(name.split("@")[1])) if "@" in name else None
-        cfg = ds_config(a, name != "stock", {"hold_for_backward": False} if name == "z3ext-nohold" else None,
-                        prefetch_bucket=bucket)
+        bucket = int(float(base.split("@")[1])) if "@" in base else None
+        options = dict(hold_for_backward="nohold" not in variants)
+        if "nopool" in variants:
+            options["pool_budget_mb"] = 0
+        cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                           optimizer=lambda ps: _opt(ps, a, device))
-        sys_ = System(name, engine, engine, engine.backward, engine.step, 0)
-    elif name == "unsharded":
+        sys_ = System(name, engine, engine, engine.backward, engine.step, 0, linear=F.linear)
+        F.linear = TORCH_LINEAR
+    elif base == "unsharded":
         model = make_model(a).to(device=device, dtype=dtype)
         opt = _opt(model.parameters(), a, device)
 
@@ -146,7 +166,7 @@ def build_system(name, a, device):
             opt.zero_grad(set_to_none=True)
 
         sys_ = System(name, model, model, lambda loss: loss.backward(), step, 0)
-    elif name == "fsdp2":
+    elif base == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         model = make_model(a).to(device=device)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if a.dtype == "bf16" else None
@@ -163,6 +183,9 @@ def build_system(name, a, device):
         sys_ = System(name, model, model, lambda loss: loss.backward(), step, 0)
     else:
         raise ValueError(name)
+    if mel and base in ("unsharded", "fsdp2"):
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+        sys_.linear = zero3_linear_wrap
     if device.type == "cuda":
         torch.cuda.synchronize()
         sys_.resident = torch.cuda.memory_allocated() - mem0
@@ -182,6 +205,7 @@ class Clock:
 
 
 def time_train_step(s, x, clock):
+    F.linear = s.linear
     t0 = clock.now()
     loss = s.forward(x)
     t1 = clock.now()
@@ -193,6 +217,7 @@ def time_train_step(s, x, clock):
 
 
 def time_tiny_forward(s, x, clock):
+    F.linear = s.linear
     with torch.no_grad():
         t0 = clock.now()
         s.forward(x)
@@ -244,6 +269,8 @@ def parse(argv=None):
     p.add_argument("--persistence", type=int, default=0 if not gpu else 100000)
     p.add_argument("--prefetch-bucket", type=int, default=50_000_000)
     p.add_argument("--max-live", type=int, default=1_000_000_000)
+    p.add_argument("--memory-efficient-linear", action="store_true",
+                   help="DeepSpeed's zero_optimization.memory_efficient_linear for stock and z3ext (default off)")
     p.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on CPU)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>.json)")
     p.add_argument("--smoke", action="store_true", help="tiny and fast (CI)")
@@ -391,7 +418,7 @@ def run(a):
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
     n_units = sum(1 for m in make_model_meta(a).modules() if any(True for _ in m.parameters(recurse=False)))
-    for n in ("stock", "z3ext", "z3ext-nohold"):
+    for n in ("stock", "z3ext", "z3ext-nohold", "stock-mel", "z3ext-mel"):
         if n in result["systems"]:
             t = result["systems"][n]["tiny"]
             result["systems"][n]["us_per_unit_tiny_fwd"] = t * 1e3 / n_units
@@ -431,17 +458,40 @@ def table(res, machine):
     if "z3ext" in s:
         z = s["z3ext"]
         ratios = []
-        for other in ("stock", "fsdp2", "unsharded"):
+        for other in ("stock", "stock-mel", "fsdp2", "unsharded"):
             if other in s:
                 ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
                               f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x")
         ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/res['limit']['ms']:.2f}x")
         lines += ["# ratios (< 1 means z3ext is faster)"] + ["  " + r for r in ratios]
-        for n in ("stock", "z3ext", "z3ext-nohold"):
+        for n in ("stock", "z3ext", "z3ext-nohold", "stock-mel", "z3ext-mel"):
             if n in s:
                 lines.append(f"  {n}: host {s[n]['us_per_unit_tiny_fwd']:.1f} us per fetch unit, "
                              f"{s[n]['us_per_param_tiny_fwd']:.1f} us per parameter (tiny forward)")
+    lines += targets(res)
     return "\n".join(lines)
+
+
+def targets(res):
+    """Issue 9's targets, checked on this run (each against systems measured in it)."""
+    s, out = res["systems"], []
+    if not all(n in s for n in ("z3ext", "stock", "unsharded")):
+        return out
+
+    def row(what, value, bound, ok):
+        out.append(f"  {what:<44} {value:>9.2f} {'<=' if ok else '> '} {bound:<9.2f} {'met' if ok else 'MISSED'}")
+
+    z, st, u = s["z3ext"], s["stock"], s["unsharded"]
+    out.append("# targets (z3ext vs systems of this run)")
+    row("fwd / unsharded fwd", z["fwd"] / u["fwd"], 1.15, z["fwd"] / u["fwd"] <= 1.15)
+    bound = 1.5 * max(res["limit"]["ms"], u["tiny"])
+    row("tiny fwd ms / 1.5 x max(limit, unsharded)", z["tiny"], bound, z["tiny"] <= bound)
+    row("step / stock step (want <= 0.5)", z["step"] / st["step"], 0.5, z["step"] / st["step"] <= 0.5)
+    if "fsdp2" in s:
+        row("step / fsdp2 step (stretch)", z["step"] / s["fsdp2"]["step"], 1.0, z["step"] <= s["fsdp2"]["step"])
+    if "peak" in z and "peak" in st:
+        row("peak MiB / stock peak MiB", z["peak"] / st["peak"], 1.0, z["peak"] <= st["peak"])
+    return out
 
 
 def plot(res, path):

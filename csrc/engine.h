@@ -212,27 +212,35 @@ class GatherEngine {
     if (!single) bucket_buf = pool_.acquire(world * per_rank, dtype, device);
     Fence ready;
     stream_.run(device, [&] {
+      // [Note: fused copies] Copy-in and copy-out are one kernel each for the whole bucket
+      // (cat, split_with_sizes_copy), not two per parameter: per-parameter copies cost more host
+      // time (launches) than bandwidth on a host-bound forward.
       at::Tensor mine = staging.narrow(0, first.rank * per_rank, per_rank);
-      int64_t off = 0;
-      for (auto* h : params) {
-        mine.narrow(0, off, h->partition_numel).copy_(part_of[h].reshape({-1}), /*non_blocking=*/true);
-        off += h->partition_numel;
+      if (single) {
+        mine.copy_(part_of[&first].reshape({-1}), /*non_blocking=*/true);
+      } else {
+        std::vector<at::Tensor> flat;
+        flat.reserve(params.size());
+        for (auto* h : params) flat.push_back(part_of[h].reshape({-1}));
+        at::cat_out(mine, flat, 0);
       }
       if (world > 1) {
         all_gather_into(*first.group, staging, mine);
         stats_.collectives++;
       }
       if (!single) {
-        // Rank-major [world, per_rank] -> parameter-major: one strided copy per parameter.
-        at::Tensor src = staging.view({world, per_rank});
-        int64_t soff = 0, doff = 0;
+        // Rank-major [world, per_rank] -> parameter-major [world, partition_numel] blocks.
+        std::vector<at::Tensor> blocks;
+        std::vector<int64_t> sizes;
+        blocks.reserve(params.size());
+        sizes.reserve(params.size());
+        int64_t doff = 0;
         for (auto* h : params) {
-          bucket_buf.narrow(0, doff, world * h->partition_numel)
-              .view({world, h->partition_numel})
-              .copy_(src.narrow(1, soff, h->partition_numel));
-          soff += h->partition_numel;
+          blocks.push_back(bucket_buf.narrow(0, doff, world * h->partition_numel).view({world, h->partition_numel}));
+          sizes.push_back(h->partition_numel);
           doff += world * h->partition_numel;
         }
+        at::split_with_sizes_copy_out(blocks, staging.view({world, per_rank}), sizes, 1);
       }
       ready = Fence::record_current(device);
     });
