@@ -63,6 +63,7 @@ class _EngineProxy:
         self._engine = engine
         self.unshard = timed.wrap(engine, "unshard", "C++ unshard")
         self.reshard = timed.wrap(engine, "reshard", "C++ reshard")
+        self.unshard_batch = timed.wrap(engine, "unshard_batch", "C++ unshard_batch (prefetch)")
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -104,6 +105,17 @@ def phases(s, tiny, clock, n):
     return "\n".join(lines) + "\n"
 
 
+def ops_table(s, tiny, clock, n, top):
+    """torch.profiler over n tiny forwards: host (self CPU) time per ATen op / CUDA runtime call."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            gr.time_tiny_forward(s, tiny, clock)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
+    return f"## {s.name} tiny no_grad forward, torch.profiler ({n} forwards), by self CPU time\n{table}\n"
+
+
 def run(a):
     import deepspeed  # noqa: F401
     import torch.distributed as dist
@@ -119,6 +131,7 @@ def run(a):
             gr.time_tiny_forward(s, tiny, clock)
         if name.startswith("z3ext"):
             sections.append(phases(s, tiny, clock, max(a.steps, 5)))
+            sections.append(ops_table(s, tiny, clock, max(a.steps, 5), a.top))
         prof, ms = _profile(lambda: gr.time_tiny_forward(s, tiny, clock), a.steps)
         sections.append(_report(f"{name} tiny no_grad forward", prof, ms, a.top))
         prof, ms = _profile(lambda: gr.time_train_step(s, x, clock), a.steps)

@@ -53,6 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("to_claim"))
       .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("defer") = false)
+      .def("unshard_batch", &GatherEngine::unshard_batch, py::arg("units"), py::arg("kind"), py::arg("owners"),
+           py::arg("defer") = false)
       .def("reshard", &GatherEngine::reshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)

@@ -81,6 +81,32 @@ class GatherEngine {
     return static_cast<int64_t>(need.size());
   }
 
+  // Claims each unit for (kind, owners[i]) and gathers every partitioned parameter of all of them in
+  // one collective per (group, dtype, device), deferred or not: a prefetch batch in one call, with no
+  // transient combined unit or claim.
+  int64_t unshard_batch(const std::vector<std::shared_ptr<FetchUnit>>& units, ClaimKind kind,
+                        const std::vector<int64_t>& owners, bool defer) {
+    if (units.size() != owners.size()) return -1;  // the coordinator passes one owner per unit
+    std::vector<ParamHandle*> need;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const Claim c{kind, owners[i]};
+      for (const auto& h : units[i]->handles) {
+        if (!h->claims.holds(c)) h->claims.add(c);
+        if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
+        if (!h->bucket) {
+          need.push_back(h.get());
+        } else if (!defer) {
+          h->bucket->wait_ready(h->tensor.device());
+        }
+      }
+    }
+    // ds_id order, each parameter once (an external parameter can be in several units).
+    std::sort(need.begin(), need.end(), [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
+    need.erase(std::unique(need.begin(), need.end()), need.end());
+    if (!need.empty()) gather(need, defer);
+    return static_cast<int64_t>(need.size());
+  }
+
   // Drops (kind, owner) from every parameter of `unit`; releases those left without claims.
   // `also_direct` drops Direct claims too (a module release ends what a direct all_gather of its
   // parameters started, as in stock).

@@ -13,9 +13,6 @@ from deepspeed.utils import logger
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.plan import ForwardPlan
 
-# Owner of the transient claim that carries a prefetch until each module's own claim is in.
-_PREFETCH_OWNER = -1
-
 
 class Z3extCoordinator:
 
@@ -48,7 +45,7 @@ class Z3extCoordinator:
         self._forwards = 0
         self._last_warning = None
         k = ops().ClaimKind
-        self._fwd, self._bwd, self._direct = k.FORWARD, k.BACKWARD, k.DIRECT
+        self._fwd, self._bwd = k.FORWARD, k.BACKWARD
         # Every kind a new outermost forward or an optimizer step ends; Gathered blocks survive both.
         self._step_kinds = [k.FORWARD, k.BACKWARD, k.DIRECT, k.FALLBACK]
         self._all_but_gathered = self._step_kinds + [k.PERSIST]
@@ -145,14 +142,11 @@ class Z3extCoordinator:
         if not batch:
             return
         self._frontier = i
-        engine = state.engine
-        combined = state.combine([u for _, _, u in batch])
-        engine.unshard(combined, self._direct, _PREFETCH_OWNER, defer=True)
+        # One call: each unit claimed for its module's forward, all gathered in one collective.
+        state.engine.unshard_batch([u for _, _, u in batch], self._fwd, [m.ds_id for _, m, _ in batch], True)
         for i, m, u in batch:
-            engine.unshard(u, self._fwd, m.ds_id, defer=True)  # already gathered: claims only
             ahead.append((i, u.numel))
         self._ahead_numel += numel
-        engine.reshard(combined, self._direct, _PREFETCH_OWNER)
 
     def release_sub_module(self, sub_module, forward=False, grad_enabled=False):
         unit = self.state.unit_for(sub_module)

@@ -80,10 +80,6 @@ class Z3extState:
             handles.append(h)
         return ops().FetchUnit(handles)
 
-    def combine(self, units):
-        """One fetch unit holding the parameters of several (deduplicated, ds_id order)."""
-        return ops().FetchUnit([h for u in units for h in u.handles])
-
     def unit_for(self, module):
         """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters."""
         n_ext = len(module._external_params) if hasattr(module, "_external_params") else 0

@@ -117,6 +117,9 @@ def install():
 
 
 # ------------------------------------------------------------------------------- the gather engine
+_BATCH_OWNER = -1  # owner of the transient claim carrying a prefetch batch until each unit's own claim
+
+
 def wrap_engine(engine, params):
     """`engine` itself when no parameter's partition lives on NVMe, else an NvmeGatherEngine."""
     nvme = [p for p in params if _on_nvme(p)]
@@ -144,6 +147,18 @@ class NvmeGatherEngine:
         return getattr(self._engine, name)
 
     # -- the wrapped calls -----------------------------------------------------------------------
+    def unshard_batch(self, units, kind, owners, defer=False):
+        """A prefetch batch: one combined gather (NVMe reads included, see `unshard`) under a transient
+        Direct claim, then each unit's own claim."""
+        ops = _ops()
+        combined = ops.FetchUnit([h for u in units for h in u.handles])
+        direct = ops.ClaimKind.DIRECT
+        gathered = self.unshard(combined, direct, _BATCH_OWNER, defer)
+        for unit, owner in zip(units, owners):
+            self._engine.unshard(unit, kind, owner, defer)  # already gathered: claims only
+        self._engine.reshard(combined, direct, _BATCH_OWNER, False)
+        return gathered
+
     def unshard(self, unit, kind, owner, defer=False):
         params = self._nvme_partitioned(unit)
         if not params:
