@@ -372,7 +372,8 @@ def run(a):
     elt = 2 if a.dtype == "bf16" else 4
     x, tiny = make_input(a, device), make_input(a, device, tiny=True)
     clock = Clock(device)
-    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[]) for n in systems}
+    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[], peak_over_base=[], resident=[], base=[])
+               for n in systems}
     nvml, gpu = NvmlSampler(device), {n: {} for n in systems}  # clocks and power during each system's steps
     try:
         from tqdm import tqdm
@@ -398,6 +399,9 @@ def run(a):
                     samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
             if device.type == "cuda":
                 samples[n]["peak"].append(torch.cuda.max_memory_allocated() - base + s.resident)
+                samples[n]["peak_over_base"].append(torch.cuda.max_memory_allocated() - base)
+                samples[n]["resident"].append(s.resident)
+                samples[n]["base"].append(base)
             if bar:
                 bar.update(1)
     if bar:

@@ -195,10 +195,15 @@ class GatherEngine {
   const std::vector<HandlePtr>& handles() const { return handles_; }
 
  private:
-  // Gathers `params` (all partitioned), grouped by (process group, dtype, device) in ds_id order.
+  // Gathers `params` (all partitioned), grouped by (process group, dtype, device, persistence) in
+  // ds_id order.
+  // [Note: persistent buckets] A bucket's buffer lives until its last parameter is released, and a
+  // persistent parameter is never released: sharing a bucket with it would pin the whole bucket
+  // (a prefetch batch: tens of millions of elements) for the engine's life. Persistent parameters
+  // are gathered into buckets of their own.
   void gather(const std::vector<ParamHandle*>& params, bool defer) {
     std::vector<std::vector<ParamHandle*>> groups;
-    std::vector<std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string>> keys;
+    std::vector<std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>> keys;
     std::vector<at::Tensor> parts(params.size());
     std::map<ParamHandle*, at::Tensor> part_of;
     for (auto* h : params) {
@@ -208,7 +213,7 @@ class GatherEngine {
                                  " elements, expected " + std::to_string(h->partition_numel) +
                                  " (quantized or offloaded-to-NVMe partitions are not supported)");
       part_of[h] = part;
-      auto key = std::make_tuple(h->group.get(), part.scalar_type(), h->tensor.device().str());
+      auto key = std::make_tuple(h->group.get(), part.scalar_type(), h->tensor.device().str(), h->persist);
       auto it = std::find(keys.begin(), keys.end(), key);
       if (it == keys.end()) {
         keys.push_back(key);

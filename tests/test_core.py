@@ -225,3 +225,44 @@ def test_plan_coalesces_forward_gathers_and_survives_divergence():
         # which the plan adopted: it is coalesced again.
         assert r["diverged"] == 2 and r["resyncs"] >= 1, r
         assert r["per_forward"][4] < r["units"] // 2, r["per_forward"]
+
+
+# ----------------------------------------------------------------------------- persistent buckets
+def persistent_bucket_case():
+    import torch.distributed as dist
+    from deepspeed_z3ext.stats import state_of
+    from tests.models import TinyGPT, batch, build_engine, ds_config
+
+    # Threshold 100: LayerNorm parameters (32 elements) and the smaller Linear biases persist, weights
+    # do not; a module's unit gathers both in one call, and a prefetch window of the whole model
+    # batches several modules.
+    cfg = ds_config(z3ext={"enabled": True, "hold_for_backward": False}, persistence=100, ga=1,
+                    zero_extra={"stage3_prefetch_bucket_size": 10**7})
+    engine = build_engine(cfg, model_fn=lambda: TinyGPT(layers=3))
+    state = state_of(engine)
+    persistent = [p for p in engine.module.parameters() if p.ds_persist]
+    persistent_numel = sum(p.ds_tensor.ds_numel * dist.get_world_size() for p in persistent)
+    after_forward, after_backward = [], []
+    for step in range(4):
+        loss = engine(batch(step, dist.get_rank()))
+        after_forward.append(state.engine.live_numel)
+        engine.backward(loss)
+        after_backward.append(state.engine.live_numel)
+        engine.step()
+    return dict(after_forward=after_forward, after_backward=after_backward, persistent_numel=persistent_numel,
+                n_persistent=len(persistent), n_params=sum(1 for _ in engine.module.parameters()),
+                collectives=state.engine.stats()["collectives"])
+
+
+def test_persistent_parameters_do_not_pin_prefetch_buckets():
+    """Without hold_for_backward, only persistent parameters stay gathered after a forward and after a
+    backward, and the buffers they keep alive hold nothing else ([Note: persistent buckets]). Before
+    the fix a persistent bias kept its weight's buffer alive until the optimizer step."""
+    for r in run_on_ranks(persistent_bucket_case):
+        assert 0 < r["n_persistent"] < r["n_params"]
+        assert r["collectives"] > 4, "no prefetch batches were gathered"
+        # Step 0 records the plan and gathers module by module: a Linear's persistent bias and its
+        # weight in one bucket (25504 elements stayed gathered here before the fix). Later steps
+        # replay the plan with prefetch batches.
+        assert r["after_forward"] == [r["persistent_numel"]] * 4, r
+        assert r["after_backward"] == [r["persistent_numel"]] * 4, r
