@@ -247,13 +247,23 @@ class GatherEngine {
       // (cat, split_with_sizes_copy), not two per parameter: per-parameter copies cost more host
       // time (launches) than bandwidth on a host-bound forward.
       at::Tensor mine = staging.narrow(0, first.rank * per_rank, per_rank);
-      if (single) {
-        mine.copy_(part_of[&first].reshape({-1}), /*non_blocking=*/true);
-      } else {
-        std::vector<at::Tensor> flat;
-        flat.reserve(params.size());
-        for (auto* h : params) flat.push_back(part_of[h].reshape({-1}));
+      std::vector<at::Tensor> flat;
+      flat.reserve(params.size());
+      bool same_device = true;
+      for (auto* h : params) {
+        flat.push_back(part_of[h].reshape({-1}));
+        same_device = same_device && flat.back().device() == mine.device();
+      }
+      if (flat.size() > 1 && same_device) {
         at::cat_out(mine, flat, 0);
+      } else {
+        // One parameter, or partitions elsewhere (NVMe offload reads them into host buffers):
+        // copies, which cross devices.
+        int64_t off = 0;
+        for (size_t i = 0; i < flat.size(); ++i) {
+          mine.narrow(0, off, flat[i].numel()).copy_(flat[i], /*non_blocking=*/true);
+          off += flat[i].numel();
+        }
       }
       if (world > 1) {
         all_gather_into(*first.group, staging, mine);
