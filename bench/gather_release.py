@@ -561,11 +561,25 @@ def _driver():
         return None
 
 
-def _spawned(rank, world, port, argv):
+def _spawned(rank, world, port, target, argv):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    target(argv)
+
+
+def spawn(target, argv, world):
+    """Runs `target(argv)` on `world` local processes with torchrun's environment (one per GPU)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(world, port, target, argv), nprocs=world, join=True)
+
+
+def _rank_main(argv):
     _entry(parse(argv))
 
 
@@ -574,12 +588,7 @@ def main(argv=None):
     if "RANK" in os.environ:  # under torchrun
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(world, port, sys.argv[1:] if argv is None else argv), nprocs=world, join=True)
+    spawn(_rank_main, sys.argv[1:] if argv is None else argv, world)
 
 
 if __name__ == "__main__":

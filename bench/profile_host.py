@@ -159,11 +159,7 @@ def _entry(a):
     dist.destroy_process_group()
 
 
-def _spawned(rank, world, port, argv):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    if not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
+def _rank_main(argv):
     _entry(parse(argv))
 
 
@@ -186,12 +182,7 @@ def main():
     if "RANK" in os.environ:
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(world, port, sys.argv[1:]), nprocs=world, join=True)
+    gr.spawn(_rank_main, sys.argv[1:], world)
 
 
 if __name__ == "__main__":

@@ -66,17 +66,8 @@ class GatherEngine {
   // ([Note: deferred wait]); without it, it waits for every bucket the unit uses. Returns the
   // number of parameters gathered.
   int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool defer) {
-    const Claim c{kind, owner};
     std::vector<ParamHandle*> need;
-    for (const auto& h : unit.handles) {
-      if (!h->claims.holds(c)) h->claims.add(c);
-      if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
-      if (!h->bucket) {
-        need.push_back(h.get());
-      } else if (!defer) {
-        h->bucket->wait_ready(h->tensor.device());
-      }
-    }
+    claim(unit, Claim{kind, owner}, defer, need);  // a unit is in ds_id order, each parameter once
     if (!need.empty()) gather(need, defer);
     return static_cast<int64_t>(need.size());
   }
@@ -88,18 +79,7 @@ class GatherEngine {
                         const std::vector<int64_t>& owners, bool defer) {
     if (units.size() != owners.size()) return -1;  // the coordinator passes one owner per unit
     std::vector<ParamHandle*> need;
-    for (size_t i = 0; i < units.size(); ++i) {
-      const Claim c{kind, owners[i]};
-      for (const auto& h : units[i]->handles) {
-        if (!h->claims.holds(c)) h->claims.add(c);
-        if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
-        if (!h->bucket) {
-          need.push_back(h.get());
-        } else if (!defer) {
-          h->bucket->wait_ready(h->tensor.device());
-        }
-      }
-    }
+    for (size_t i = 0; i < units.size(); ++i) claim(*units[i], Claim{kind, owners[i]}, defer, need);
     // ds_id order, each parameter once (an external parameter can be in several units).
     std::sort(need.begin(), need.end(), [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
     need.erase(std::unique(need.begin(), need.end()), need.end());
@@ -195,6 +175,20 @@ class GatherEngine {
   const std::vector<HandlePtr>& handles() const { return handles_; }
 
  private:
+  // Adds claim `c` (and Persist where due) to the unit's parameters; the partitioned ones go to
+  // `need`, and without `defer` the compute stream waits for the gathered ones' buckets.
+  void claim(const FetchUnit& unit, const Claim& c, bool defer, std::vector<ParamHandle*>& need) {
+    for (const auto& h : unit.handles) {
+      if (!h->claims.holds(c)) h->claims.add(c);
+      if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
+      if (!h->bucket) {
+        need.push_back(h.get());
+      } else if (!defer) {
+        h->bucket->wait_ready(h->tensor.device());
+      }
+    }
+  }
+
   // Gathers `params` (all partitioned), grouped by (process group, dtype, device, persistence) in
   // ds_id order.
   // [Note: persistent buckets] A bucket's buffer lives until its last parameter is released, and a
