@@ -74,7 +74,7 @@ def phases(s, tiny, clock, n):
     (the forward returns before the device finishes), and the time inside z3ext's coordinator calls."""
     from deepspeed_z3ext.stats import state_of
     st = state_of(s.model)
-    totals, timed = {}, None
+    totals = {}
     timed = _Timed(totals)
     coord, engine = st.coordinator, st.engine
     saved = dict(fetch=coord.fetch_sub_module, release=coord.release_sub_module, prefetch=coord._prefetch)

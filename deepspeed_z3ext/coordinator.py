@@ -131,21 +131,22 @@ class Z3extCoordinator:
             return
         room = min(self.bucket_numel - self._ahead_numel, self._max_live - self.state.engine.live_numel)
         order, state = self.plan.order, self.state
-        batch, numel, i = [], 0, self._frontier
+        units, owners, numel, i = [], [], 0, self._frontier
         while i < len(order):
             unit = state.unit_for(order[i])
-            if numel + unit.numel > room:
+            n = unit.numel  # a C++ loop over the unit's handles: read once
+            if numel + n > room:
                 break
-            batch.append((i, order[i], unit))
-            numel += unit.numel
+            units.append(unit)
+            owners.append(order[i].ds_id)
+            ahead.append((i, n))
+            numel += n
             i += 1
-        if not batch:
+        if not units:
             return
         self._frontier = i
         # One call: each unit claimed for its module's forward, all gathered in one collective.
-        state.engine.unshard_batch([u for _, _, u in batch], self._fwd, [m.ds_id for _, m, _ in batch], True)
-        for i, m, u in batch:
-            ahead.append((i, u.numel))
+        state.engine.unshard_batch(units, self._fwd, owners, True)
         self._ahead_numel += numel
 
     def release_sub_module(self, sub_module, forward=False, grad_enabled=False):
