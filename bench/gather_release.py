@@ -372,7 +372,7 @@ def run(a):
     elt = 2 if a.dtype == "bf16" else 4
     x, tiny = make_input(a, device), make_input(a, device, tiny=True)
     clock = Clock(device)
-    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[], peak_over_base=[], resident=[], base=[])
+    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[], peak_over_base=[], held=[], base=[])
                for n in systems}
     nvml, gpu = NvmlSampler(device), {n: {} for n in systems}  # clocks and power during each system's steps
     try:
@@ -380,14 +380,29 @@ def run(a):
         bar = tqdm(total=a.rounds * len(systems), disable=rank != 0, desc="bench", file=sys.stdout)
     except ImportError:
         bar = None
+    # [Note: bench peak] A system's peak is what it holds when its timed steps start plus the rise over
+    # that during them. What it holds is tallied per system (allocation at build, then every change
+    # across its own calls: optimizer state, pools, parameters a tiny forward leaves gathered), since
+    # the systems share the process and the others are idle meanwhile. Crediting memory held between
+    # steps as "base" instead would favour a system that holds more between steps than at build
+    # (stock keeps what its no_grad forward gathered until the next forward).
+    held = {n: s.resident for n, s in systems.items()}
+
+    def allocated():
+        if device.type != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
     for rnd in range(a.rounds):
         for n, s in systems.items():  # interleaved: every round runs every system
+            before = allocated()
             for _ in range(a.warmup if rnd == 0 else 0):
                 time_train_step(s, x, clock)
                 time_tiny_forward(s, tiny, clock)
+            held[n] += allocated() - before
             if device.type == "cuda":
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
+                base = allocated()
                 torch.cuda.reset_peak_memory_stats()
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
@@ -398,10 +413,11 @@ def run(a):
                     samples[n]["step"].append(f + b + o)
                     samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
             if device.type == "cuda":
-                samples[n]["peak"].append(torch.cuda.max_memory_allocated() - base + s.resident)
+                samples[n]["peak"].append(held[n] + torch.cuda.max_memory_allocated() - base)
                 samples[n]["peak_over_base"].append(torch.cuda.max_memory_allocated() - base)
-                samples[n]["resident"].append(s.resident)
+                samples[n]["held"].append(held[n])  # held when its timed steps started
                 samples[n]["base"].append(base)
+                held[n] += allocated() - base
             if bar:
                 bar.update(1)
     if bar:

@@ -20,4 +20,18 @@ inline void all_gather_into(c10d::ProcessGroup& group, at::Tensor& output, at::T
   work->wait();
 }
 
+// All-gathers each `inputs[i]` into `outputs[i]` (world * inputs[i].numel()) in one coalesced call:
+// one launch for the whole bucket, each parameter's blocks land contiguous in its own output, and
+// the inputs may be the partitions themselves (no copy-in) or their slice of the output (in place).
+// Waits as all_gather_into does, without the GIL ([Note: no GIL while blocked]).
+inline void all_gather_coalesced_into(c10d::ProcessGroup& group, std::vector<at::Tensor>& outputs,
+                                      std::vector<at::Tensor>& inputs) {
+  pybind11::gil_scoped_release no_gil;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  auto work = group.allgather_into_tensor_coalesced(outputs, inputs);
+#pragma GCC diagnostic pop
+  work->wait();
+}
+
 }  // namespace z3ext

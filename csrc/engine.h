@@ -1,7 +1,8 @@
 // GatherEngine: per-DeepSpeed-engine owner of handles, the buffer pool and the gather stream.
 // One call per fetch unit gathers (unshard) or releases (reshard); no Python loop per parameter.
 #pragma once
-#include <map>
+#include <tuple>
+#include <utility>
 #include "collectives.h"
 #include "pool.h"
 #include "unit.h"
@@ -196,86 +197,87 @@ class GatherEngine {
   // (a prefetch batch: tens of millions of elements) for the engine's life. Persistent parameters
   // are gathered into buckets of their own.
   void gather(const std::vector<ParamHandle*>& params, bool defer) {
-    std::vector<std::vector<ParamHandle*>> groups;
-    std::vector<std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>> keys;
-    std::vector<at::Tensor> parts(params.size());
-    std::map<ParamHandle*, at::Tensor> part_of;
+    using Key = std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>;
+    std::vector<Key> keys;
+    std::vector<std::vector<std::pair<ParamHandle*, at::Tensor>>> groups;  // (handle, its partition)
     for (auto* h : params) {
       at::Tensor part = h->param.attr("ds_tensor").cast<at::Tensor>();
       if (part.numel() != h->partition_numel)
         throw std::runtime_error("z3ext: " + h->describe() + " has a partition of " + std::to_string(part.numel()) +
                                  " elements, expected " + std::to_string(h->partition_numel) +
                                  " (quantized or offloaded-to-NVMe partitions are not supported)");
-      part_of[h] = part;
-      auto key = std::make_tuple(h->group.get(), part.scalar_type(), h->tensor.device().str(), h->persist);
+      Key key{h->group.get(), part.scalar_type(), h->tensor.device().str(), h->persist};
       auto it = std::find(keys.begin(), keys.end(), key);
       if (it == keys.end()) {
         keys.push_back(key);
-        groups.push_back({h});
+        groups.emplace_back();
+        groups.back().emplace_back(h, std::move(part));
       } else {
-        groups[it - keys.begin()].push_back(h);
+        groups[it - keys.begin()].emplace_back(h, std::move(part));
       }
     }
-    for (auto& g : groups) gather_group(g, part_of, defer);
+    for (auto& g : groups) gather_group(g, defer);
   }
 
-  void gather_group(const std::vector<ParamHandle*>& params, std::map<ParamHandle*, at::Tensor>& part_of,
-                    bool defer) {
+  // [Note: parameter-major buckets] A bucket's buffer holds its parameters one after another, each
+  // as the `world` partitions of its padded flat tensor, so a parameter is a view of the buffer.
+  // One coalesced all-gather fills it: input i is parameter i's partition itself and output i its
+  // slice of the buffer. No staging buffer, no copy-in, no copy-out: on a host-bound forward each
+  // copy kernel cost more launch time than bandwidth, and the staging buffer doubled the transient
+  // memory of a batch. Partitions on another device than the bucket (NVMe offload reads them into
+  // host buffers) are first copied into the rank's own block of their output and gathered in place.
+  void gather_group(std::vector<std::pair<ParamHandle*, at::Tensor>>& params, bool defer) {
     at::NoGradGuard no_grad;
-    ParamHandle& first = *params.front();
+    ParamHandle& first = *params.front().first;
     const at::Device device = first.tensor.device();
-    const at::ScalarType dtype = part_of[&first].scalar_type();
+    const at::ScalarType dtype = params.front().second.scalar_type();
     const int64_t world = first.world;
     int64_t per_rank = 0;
-    for (auto* h : params) per_rank += h->partition_numel;
+    for (auto& hp : params) per_rank += hp.first->partition_numel;
 
     auto bucket = std::make_shared<Bucket>();
     // Allocated on the compute stream: see [Note: z3ext streams].
-    at::Tensor staging = pool_.acquire(world * per_rank, dtype, device);
-    at::Tensor bucket_buf;
-    const bool single = params.size() == 1;
-    if (!single) bucket_buf = pool_.acquire(world * per_rank, dtype, device);
+    at::Tensor buf = pool_.acquire(world * per_rank, dtype, device);
     Fence ready;
     stream_.run(device, [&] {
-      // [Note: fused copies] Copy-in and copy-out are one kernel each for the whole bucket
-      // (cat, split_with_sizes_copy), not two per parameter: per-parameter copies cost more host
-      // time (launches) than bandwidth on a host-bound forward.
-      at::Tensor mine = staging.narrow(0, first.rank * per_rank, per_rank);
       std::vector<at::Tensor> flat;
       flat.reserve(params.size());
       bool same_device = true;
-      for (auto* h : params) {
-        flat.push_back(part_of[h].reshape({-1}));
-        same_device = same_device && flat.back().device() == mine.device();
+      for (auto& hp : params) {
+        flat.push_back(hp.second.reshape({-1}));
+        same_device = same_device && flat.back().device() == device;
       }
-      if (flat.size() > 1 && same_device) {
-        at::cat_out(mine, flat, 0);
+      if (world == 1) {
+        // The buffer is the partitions back to back: one cat, or copies across devices.
+        if (same_device && flat.size() > 1) {
+          at::cat_out(buf, flat, 0);
+        } else {
+          int64_t off = 0;
+          for (auto& f : flat) {
+            buf.narrow(0, off, f.numel()).copy_(f, /*non_blocking=*/true);
+            off += f.numel();
+          }
+        }
       } else {
-        // One parameter, or partitions elsewhere (NVMe offload reads them into host buffers):
-        // copies, which cross devices.
+        std::vector<at::Tensor> outs;
+        outs.reserve(params.size());
         int64_t off = 0;
-        for (size_t i = 0; i < flat.size(); ++i) {
-          mine.narrow(0, off, flat[i].numel()).copy_(flat[i], /*non_blocking=*/true);
-          off += flat[i].numel();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const int64_t n = params[i].first->partition_numel;
+          outs.push_back(buf.narrow(0, off, world * n));
+          if (flat[i].device() != device) {
+            at::Tensor mine = outs.back().narrow(0, params[i].first->rank * n, n);
+            mine.copy_(flat[i], /*non_blocking=*/true);
+            flat[i] = mine;
+          }
+          off += world * n;
         }
-      }
-      if (world > 1) {
-        all_gather_into(*first.group, staging, mine);
+        if (outs.size() == 1) {
+          all_gather_into(*first.group, outs[0], flat[0]);
+        } else {
+          all_gather_coalesced_into(*first.group, outs, flat);
+        }
         stats_.collectives++;
-      }
-      if (!single) {
-        // Rank-major [world, per_rank] -> parameter-major [world, partition_numel] blocks.
-        std::vector<at::Tensor> blocks;
-        std::vector<int64_t> sizes;
-        blocks.reserve(params.size());
-        sizes.reserve(params.size());
-        int64_t doff = 0;
-        for (auto* h : params) {
-          blocks.push_back(bucket_buf.narrow(0, doff, world * h->partition_numel).view({world, h->partition_numel}));
-          sizes.push_back(h->partition_numel);
-          doff += world * h->partition_numel;
-        }
-        at::split_with_sizes_copy_out(blocks, staging.view({world, per_rank}), sizes, 1);
       }
       ready = Fence::record_current(device);
     });
@@ -285,24 +287,20 @@ class GatherEngine {
     } else {
       ready.wait_on_current(device);
     }
-    if (!single) {
-      pool_.give_back(staging, ready);
-    } else {
-      bucket_buf = staging;
-    }
-    bucket->buffer = bucket_buf;
-    int64_t doff = 0;
-    for (auto* h : params) {
-      h->tensor.set_data(bucket_buf.narrow(0, doff, h->numel).view(h->shape));
+    bucket->buffer = buf;
+    int64_t off = 0;
+    for (auto& hp : params) {
+      ParamHandle* h = hp.first;
+      h->tensor.set_data(buf.narrow(0, off, h->numel).view(h->shape));
       h->param.attr("ds_status") = available_;
       h->bucket = bucket;
       bucket->live++;
       bucket->names.push_back(h->name);
-      doff += world * h->partition_numel;
+      off += world * h->partition_numel;
     }
     stats_.gathered_params += static_cast<int64_t>(params.size());
-    stats_.live_bytes += bucket_buf.numel() * bucket_buf.element_size();
-    stats_.live_numel += bucket_buf.numel();
+    stats_.live_bytes += buf.numel() * buf.element_size();
+    stats_.live_numel += buf.numel();
     stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
   }
 
