@@ -83,7 +83,7 @@ def _rank_main(argv):
 
         z3 = name.startswith("z3ext")
 
-        def held():
+        def z3ext_now():
             if not z3:
                 return ""
             st = deepspeed_z3ext.stats(s.model)
@@ -92,7 +92,7 @@ def _rank_main(argv):
         gr.F.linear = s.linear
         loss = s.forward(x)
         n_fwd = events()
-        after_fwd = held()
+        after_fwd = z3ext_now()
         s.backward(loss)
         n_bwd = events()
         s.step()
@@ -109,7 +109,7 @@ def _rank_main(argv):
             lines.append(f"  {b / 2**20:9.0f} MiB  {site}")
         if z3:
             st = deepspeed_z3ext.stats(s.model)
-            lines.append(f"  at the end of forward: {after_fwd}; after the step: {held()}; pool reused "
+            lines.append(f"  at the end of forward: {after_fwd}; after the step: {z3ext_now()}; pool reused "
                          f"{st.pool_reused}, orphaned {st.pool_orphaned}")
         del s, loss
         torch.cuda.empty_cache()

@@ -162,6 +162,8 @@ class Z3extCoordinator:
         engine, owner = self.state.engine, sub_module.ds_id
         if forward:
             self._pop_running(sub_module)
+        if not len(unit):  # a module without parameters (a block, the root): nothing claimed
+            return False
         if forward and self._hold and grad_enabled:
             held = owner in self._held
             if not held and engine.live_numel <= self._max_live:
