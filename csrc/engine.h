@@ -236,27 +236,34 @@ class GatherEngine {
     for (auto& hp : params) per_rank += hp.first->partition_numel;
 
     auto bucket = std::make_shared<Bucket>();
+    // [Note: world of one] In a group of one rank a partition is its whole (padded) parameter: the
+    // parameter becomes a view of it: no buffer, no copy, no stream work, no memory beyond the partition.
+    // (Partitions on another device, NVMe offload's host buffers, are still copied.)
+    if (world == 1) {
+      bool same_device = true;
+      for (auto& hp : params) same_device = same_device && hp.second.device() == device;
+      if (same_device) {
+        for (auto& [h, part] : params) {
+          h->tensor.set_data(part.reshape({-1}).narrow(0, 0, h->numel).view(h->shape));
+          adopt(*h, bucket);
+        }
+        stats_.gathered_params += static_cast<int64_t>(params.size());
+        return;
+      }
+    }
     // Allocated on the compute stream: see [Note: z3ext streams].
     at::Tensor buf = pool_.acquire(world * per_rank, dtype, device);
     Fence ready;
     stream_.run(device, [&] {
       std::vector<at::Tensor> flat;
       flat.reserve(params.size());
-      bool same_device = true;
-      for (auto& hp : params) {
-        flat.push_back(hp.second.reshape({-1}));
-        same_device = same_device && flat.back().device() == device;
-      }
+      for (auto& hp : params) flat.push_back(hp.second.reshape({-1}));
       if (world == 1) {
-        // The buffer is the partitions back to back: one cat, or copies across devices.
-        if (same_device && flat.size() > 1) {
-          at::cat_out(buf, flat, 0);
-        } else {
-          int64_t off = 0;
-          for (auto& f : flat) {
-            buf.narrow(0, off, f.numel()).copy_(f, /*non_blocking=*/true);
-            off += f.numel();
-          }
+        // Partitions on another device (above: same-device ones are viewed): copied back to back.
+        int64_t off = 0;
+        for (auto& f : flat) {
+          buf.narrow(0, off, f.numel()).copy_(f, /*non_blocking=*/true);
+          off += f.numel();
         }
       } else {
         std::vector<at::Tensor> outs;
@@ -292,16 +299,21 @@ class GatherEngine {
     for (auto& hp : params) {
       ParamHandle* h = hp.first;
       h->tensor.set_data(buf.narrow(0, off, h->numel).view(h->shape));
-      h->param.attr("ds_status") = available_;
-      h->bucket = bucket;
-      bucket->live++;
-      bucket->names.push_back(h->name);
+      adopt(*h, bucket);
       off += world * h->partition_numel;
     }
     stats_.gathered_params += static_cast<int64_t>(params.size());
     stats_.live_bytes += buf.numel() * buf.element_size();
     stats_.live_numel += buf.numel();
     stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
+  }
+
+  // `h` (its data already set) is gathered into `bucket`.
+  void adopt(ParamHandle& h, const std::shared_ptr<Bucket>& bucket) {
+    h.param.attr("ds_status") = available_;
+    h.bucket = bucket;
+    bucket->live++;
+    bucket->names.push_back(h.name);
   }
 
   void release(ParamHandle& h) {
@@ -313,7 +325,7 @@ class GatherEngine {
     std::shared_ptr<Bucket> bucket = std::move(h.bucket);
     h.bucket.reset();
     stats_.released_params++;
-    if (--bucket->live == 0) {
+    if (--bucket->live == 0 && bucket->buffer.defined()) {  // no buffer: [Note: world of one]
       stats_.live_bytes -= bucket->buffer.numel() * bucket->buffer.element_size();
       stats_.live_numel -= bucket->buffer.numel();
       at::Tensor buf = std::move(bucket->buffer);

@@ -306,3 +306,43 @@ def test_small_batches_wait_while_two_units_are_ahead():
         assert r["stock"] == r["z3ext"] and r["params_equal"], r
         assert r["units"] == 28 and r["per_forward"][0] == 28, r
         assert r["per_forward"][1:] == [10, 10, 10], r
+
+
+# ----------------------------------------------------------------------------- world of one
+def world_of_one_case():
+    import torch
+    import deepspeed
+    import deepspeed_z3ext
+    from tests.models import batch, build_engine, ds_config, full_params
+    out = {}
+    for name in ("stock", "z3ext"):
+        eng = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1))
+        losses = []
+        for step in range(3):
+            loss = eng(batch(step, 0))
+            eng.backward(loss)
+            eng.step()
+            losses.append(loss.item())
+        out[name], out[name + "_params"] = losses, full_params(eng)
+        if name == "z3ext":
+            params = list(eng.module.parameters())
+            with deepspeed.zero.GatheredParameters(params):
+                out["views"] = sum(p.data.data_ptr() == p.ds_tensor.data_ptr() for p in params)
+                out["live_bytes"] = deepspeed_z3ext.stats(eng).live_bytes
+            # A write inside a modifier block reaches the partition (it is the same memory).
+            with deepspeed.zero.GatheredParameters([params[0]], modifier_rank=0):
+                params[0].data.fill_(0.5)
+            out["written"] = bool((params[0].ds_tensor == 0.5).all())
+            out["n_params"], out["collectives"] = len(params), deepspeed_z3ext.stats(eng).collectives
+    out["params_equal"] = all(torch.equal(out["stock_params"][k], out["z3ext_params"][k]) for k in out["stock_params"])
+    del out["stock_params"], out["z3ext_params"]
+    return out
+
+
+def test_world_of_one_views_the_partitions():
+    """[Note: world of one]: on one rank a gathered parameter is a view of its partition (no buffer,
+    no collective), training matches stock bitwise, and a GatheredParameters write lands."""
+    (r, ) = run_on_ranks(world_of_one_case, world_size=1)
+    assert r["stock"] == r["z3ext"] and r["params_equal"], r
+    assert r["views"] == r["n_params"] and r["live_bytes"] == 0 and r["collectives"] == 0, r
+    assert r["written"], r
