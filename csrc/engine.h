@@ -224,8 +224,11 @@ class GatherEngine {
   // One coalesced all-gather fills it: input i is parameter i's partition itself and output i its
   // slice of the buffer. No staging buffer, no copy-in, no copy-out: on a host-bound forward each
   // copy kernel cost more launch time than bandwidth, and the staging buffer doubled the transient
-  // memory of a batch. Partitions on another device than the bucket (NVMe offload reads them into
-  // host buffers) are first copied into the rank's own block of their output and gathered in place.
+  // memory of a batch. The GPU pays instead: NCCL runs a coalesced gather of several tensors at about
+  // half the bandwidth of one flat buffer (bench/allgather_forms.py, bench/NOTES.md v14), which shows
+  // only where the gather, not the host, bounds a forward. Partitions on another device than the
+  // bucket (NVMe offload reads them into host buffers) are first copied into the rank's own block of
+  // their output and gathered in place.
   void gather_group(std::vector<std::pair<ParamHandle*, at::Tensor>>& params, bool defer) {
     at::NoGradGuard no_grad;
     ParamHandle& first = *params.front().first;
