@@ -182,36 +182,51 @@ def test_destroy_releases_everything_and_rewrap_routes_to_new_engine():
 
 
 # ------------------------------------------------------------------------------------------ plan
-def plan_prefetch_and_divergence():
-    import torch
+def train_counting_collectives(eng, steps, z3ext, before_step=lambda step: None):
+    """Trains `eng` for `steps` steps; returns the losses and, for a z3ext engine, the collectives
+    each forward issued (empty for stock)."""
     import torch.distributed as dist
     import deepspeed_z3ext
-    from tests.models import batch, build_engine, ds_config, full_params
+    from tests.models import batch
+    losses, per_forward = [], []
+    for step in range(steps):
+        before_step(step)
+        before = deepspeed_z3ext.stats(eng).collectives if z3ext else 0
+        loss = eng(batch(step, dist.get_rank()))
+        if z3ext:
+            per_forward.append(deepspeed_z3ext.stats(eng).collectives - before)
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    return losses, per_forward
+
+
+def params_equal(a, b):
+    import torch
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def plan_prefetch_and_divergence():
+    import torch
+    from tests.models import build_engine, ds_config, full_params
     out = {}
     for name in ("stock", "z3ext"):
         eng = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1))
-        losses, per_forward = [], []
-        for step in range(5):
+
+        def diverge(step):
             # steps 2 and 3 leave the recorded order (block 0 skipped, then blocks run reversed)
             eng.module.skip = (0, ) if step == 2 else ()
             if step == 3:
                 eng.module.blocks = torch.nn.ModuleList(reversed(list(eng.module.blocks)))
-            before = deepspeed_z3ext.stats(eng).collectives if name == "z3ext" else 0
-            loss = eng(batch(step, dist.get_rank()))
-            if name == "z3ext":
-                per_forward.append(deepspeed_z3ext.stats(eng).collectives - before)
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        out[name] = losses
+
+        out[name], per_forward = train_counting_collectives(eng, 5, name == "z3ext", diverge)
         out[name + "_params"] = full_params(eng)
         if name == "z3ext":
             out["per_forward"] = per_forward
             out["units"] = sum(1 for m in eng.module.modules() if any(True for _ in m.parameters(recurse=False)))
             plan = eng.optimizer.parameter_offload.param_coordinator.plans[True]
             out["diverged"], out["resyncs"] = plan.diverged_forwards, plan.resyncs
-    out["params_equal"] = all(torch.equal(out["stock_params"][k], out["z3ext_params"][k]) for k in out["stock_params"])
-    del out["stock_params"], out["z3ext_params"]
+    out["params_equal"] = params_equal(out.pop("stock_params"), out.pop("z3ext_params"))
     return out
 
 
@@ -270,10 +285,7 @@ def test_persistent_parameters_do_not_pin_prefetch_buckets():
 
 # ----------------------------------------------------------------------------- batch size
 def batch_size_case():
-    import torch
-    import torch.distributed as dist
-    import deepspeed_z3ext
-    from tests.models import TinyGPT, batch, build_engine, ds_config, full_params
+    from tests.models import TinyGPT, build_engine, ds_config, full_params
     out = {}
     for name in ("stock", "z3ext"):
         # Units per block (hidden 32, persistence 0): ln1 64, qkv 3168, proj 1056, ln2 64, fc1 4224,
@@ -281,21 +293,12 @@ def batch_size_case():
         cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1,
                         zero_extra={"stage3_prefetch_bucket_size": 10000})
         eng = build_engine(cfg, model_fn=lambda: TinyGPT(layers=4))
-        losses, per_forward = [], []
-        for step in range(4):
-            before = deepspeed_z3ext.stats(eng).collectives if name == "z3ext" else 0
-            loss = eng(batch(step, dist.get_rank()))
-            if name == "z3ext":
-                per_forward.append(deepspeed_z3ext.stats(eng).collectives - before)
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        out[name], out[name + "_params"] = losses, full_params(eng)
+        out[name], per_forward = train_counting_collectives(eng, 4, name == "z3ext")
+        out[name + "_params"] = full_params(eng)
         if name == "z3ext":
             out["per_forward"] = per_forward
             out["units"] = len(eng.optimizer.parameter_offload.param_coordinator.plans[True].order)
-    out["params_equal"] = all(torch.equal(out["stock_params"][k], out["z3ext_params"][k]) for k in out["stock_params"])
-    del out["stock_params"], out["z3ext_params"]
+    out["params_equal"] = params_equal(out.pop("stock_params"), out.pop("z3ext_params"))
     return out
 
 
@@ -310,20 +313,14 @@ def test_small_batches_wait_while_two_units_are_ahead():
 
 # ----------------------------------------------------------------------------- world of one
 def world_of_one_case():
-    import torch
     import deepspeed
     import deepspeed_z3ext
-    from tests.models import batch, build_engine, ds_config, full_params
+    from tests.models import build_engine, ds_config, full_params
     out = {}
     for name in ("stock", "z3ext"):
         eng = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1))
-        losses = []
-        for step in range(3):
-            loss = eng(batch(step, 0))
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        out[name], out[name + "_params"] = losses, full_params(eng)
+        out[name], _ = train_counting_collectives(eng, 3, name == "z3ext")
+        out[name + "_params"] = full_params(eng)
         if name == "z3ext":
             params = list(eng.module.parameters())
             with deepspeed.zero.GatheredParameters(params):
@@ -334,8 +331,7 @@ def world_of_one_case():
                 params[0].data.fill_(0.5)
             out["written"] = bool((params[0].ds_tensor == 0.5).all())
             out["n_params"], out["collectives"] = len(params), deepspeed_z3ext.stats(eng).collectives
-    out["params_equal"] = all(torch.equal(out["stock_params"][k], out["z3ext_params"][k]) for k in out["stock_params"])
-    del out["stock_params"], out["z3ext_params"]
+    out["params_equal"] = params_equal(out.pop("stock_params"), out.pop("z3ext_params"))
     return out
 
 
