@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)
       .def("sweep", &GatherEngine::sweep)
+      .def("drop_owners", &GatherEngine::drop_owners, py::arg("kind"), py::arg("owners"))
+      .def_property_readonly("orphan_records", &GatherEngine::orphan_records)
       .def("write_back", &GatherEngine::write_back)
       .def("destroy", &GatherEngine::destroy)
       .def("live_orphans", &GatherEngine::live_orphans)
