@@ -170,17 +170,17 @@ class Z3extCoordinator:
         `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
         self._pop_running(sub_module)
         unit = self.state.unit_for(sub_module)
+        recomputing = in_backward()
         if len(unit):
-            engine, owner = self.state.engine, sub_module.ds_id
             if grad_enabled and not raised and any(t.requires_grad for t in outputs):
-                if in_backward():
+                if recomputing:
                     self._recomputed(sub_module, unit, args, outputs)
                 else:
                     self._hold(sub_module, unit, args, outputs)
             else:
                 # No output needs grad (or no grad, or it raised): its backward cannot run.
-                engine.reshard(unit, self._fwd, owner, also_direct=True)
-        if not self._running and not in_backward():
+                self.state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
+        if not self._running and not recomputing:
             self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
 
     def _hold(self, module, unit, args, outputs):
