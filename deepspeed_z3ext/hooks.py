@@ -80,6 +80,8 @@ def register(offload, module):
     def _pre_forward(m, args):
         stack.append(m)
         offload.param_coordinator.fetch_sub_module(m, forward=True)
+        if _WRAP_INPUTS and torch.is_grad_enabled():
+            return apply_to_tensors_only(_InputBoundary.apply, args)
 
     @torch.compiler.disable
     def _post_forward(m, args, output):
@@ -97,6 +99,27 @@ def register(offload, module):
             _backward_hooks(coord, m, args, output)
 
     visit(module)
+
+
+import os
+from deepspeed.runtime.zero.utils import apply_to_tensors_only
+_WRAP_INPUTS = os.environ.get("Z3EXT_WRAP_INPUTS", "1") == "1"  # PROTOTYPE switch for issue 15 (6): 0 = old behaviour
+
+
+class _InputBoundary(torch.autograd.Function):
+    """PROTOTYPE: the identity node stock DeepSpeed puts on every module input (PostBackwardFunctionModule)."""
+
+    @staticmethod
+    def forward(x):
+        return x.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
 
 
 def _backward_hooks(coord, module, args, output):
