@@ -13,10 +13,11 @@ SEQ = 16
 VOCAB = 128
 
 
-def hf_zero3_config(z3ext, persistence=None, zero_extra=None, extra=None):
-    zero = {"stage": 3}
-    if persistence is not None:
-        zero["stage3_param_persistence_threshold"] = persistence
+def hf_zero3_config(z3ext, persistence="auto", zero_extra=None, extra=None):
+    # "auto" as in HF's ZeRO-3 example config: the Trainer fills in 10 * hidden_size (norm weights
+    # persistent, every Linear and the embeddings partitioned) and the bucket sizes from the model.
+    zero = {"stage": 3, "stage3_param_persistence_threshold": persistence, "stage3_prefetch_bucket_size": "auto",
+            "reduce_bucket_size": "auto"}
     zero.update(zero_extra or {})
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -143,7 +144,7 @@ def _DPOTrainer():
     return DPOShapedTrainer
 
 
-def compare_hf(recipe, persistence=None, z3ext=True, zero_extra=None, steps=STEPS):
+def compare_hf(recipe, persistence="auto", z3ext=True, zero_extra=None, steps=STEPS):
     import tempfile
     import time
     import torch
@@ -173,6 +174,8 @@ def _check(results, recipe, steps=STEPS, all_partitioned=False):
         assert r["stock_partitioned"] == r["z3_partitioned"] > 0
         if all_partitioned:
             assert r["z3_partitioned"] == r["n_params"], "persistence threshold 0: every parameter is partitioned"
+        else:  # "auto" (10 * hidden): the norm weights persistent, the rest partitioned
+            assert r["z3_partitioned"] < r["n_params"]
         if recipe != "full":
             assert 0 < r["n_trainable"] < r["n_params"], "LoRA: only the adapters train"
     losses = results[0]["z3_losses"]
