@@ -45,7 +45,7 @@ def _dataset(n, seed=4321):
     return rows
 
 
-def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1, probe=None):
+def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1):
     """One HF Trainer run; returns (per-step local losses, {name: full parameter}) on every rank."""
     import torch
     import deepspeed
@@ -77,7 +77,6 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1,
     trainer_cls = _DPOTrainer() if recipe == "dpo" else _RecordingTrainer()
     trainer = trainer_cls(model=model, args=args, train_dataset=_dataset(steps * bsz * ga * 2))
     trainer.recorded = losses
-    trainer.probe = probe
     trainer.train()
     engine = trainer.model_wrapped
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
