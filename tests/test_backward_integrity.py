@@ -163,7 +163,8 @@ def _config(z3ext, options, zero_extra, mel):
 def _tokens(step, rank, k):
     import torch
     g = torch.Generator().manual_seed(100 * step + 10 * rank + k)
-    return torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return tokens.cuda() if torch.cuda.is_available() else tokens
 
 
 def _step(engine, step, rank):
@@ -199,6 +200,7 @@ def train_next_to_stock(case, steps=8):
 
     options, zero_extra, mel = CONFIGS[case]
     rank = dist.get_rank()
+    torch.backends.cudnn.deterministic = True  # GPU variant (test_gpu.py): conv and LSTM kernels
     out = {}
     for name in ("stock", "z3ext"):
         cfg = _config(name == "z3ext", options, zero_extra, mel)
