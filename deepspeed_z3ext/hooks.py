@@ -24,6 +24,7 @@ from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.graphs import tensors_in as _tensors
 from deepspeed_z3ext.state import STATE_ATTR
 
@@ -49,59 +50,45 @@ def _dangling(module, params):
                 param.all_gather()
 
 
-class _InputBoundary(torch.autograd.Function):
-    """[Note: input boundary] The identity node stock DeepSpeed puts on every module input
-    (`PostBackwardFunctionModule`: forward `detach()`, backward passes the gradient through). z3ext
-    needs no such node for its own bookkeeping, but it decides how autograd sums the gradient of a
-    tensor read both inside a module and outside it: with the node, the module's own uses are summed
-    first (in the node's input buffer), then added to the outside ones; without it, all are summed
-    in execution order. HF Llama's RMSNorm reads its input twice and the residual reads it again:
-    without the node the gradients differed from stock's in the last bit (issue 15, item 6). Only
-    inputs that need grad get it, in grad mode (elsewhere the node changes nothing)."""
-
-    @staticmethod
-    def forward(x):
-        return x.detach()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _boundary(value, depth=0):
+# [Note: input boundary] The identity node stock DeepSpeed puts on every module input
+# (`PostBackwardFunctionModule`: forward `detach()`, backward passes the gradient through; here
+# csrc/boundary.h). z3ext needs no such node for its own bookkeeping, but it decides how autograd
+# sums the gradient of a tensor read both inside a module and outside it: with the node, the
+# module's own uses are summed first (in the node's input buffer), then added to the outside ones;
+# without it, all are summed in execution order. HF Llama's RMSNorm reads its input twice and the
+# residual reads it again: without the node the gradients differed from stock's in the last bit
+# (issue 15, item 6). Only inputs that need grad get it, in grad mode (elsewhere it changes nothing).
+def _boundary(value, boundary, depth=0):
     if torch.is_tensor(value):
         if not value.requires_grad:
             return value
-        out = _InputBoundary.apply(value)
+        out = boundary(value)
         if hasattr(value, "ds_id"):
             out.ds_param_alias = value  # as stock: a parameter passed as input stays recognisable
         return out
     if depth > 32:
         return value
     if isinstance(value, (tuple, list)):
-        items = [_boundary(v, depth + 1) for v in value]
+        items = [_boundary(v, boundary, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):  # in place, as stock (keeps dict subclasses)
         for k in value:
-            value[k] = _boundary(value[k], depth + 1)
+            value[k] = _boundary(value[k], boundary, depth + 1)
     return value
 
 
-def _input_boundary(args):
+def _input_boundary(args, boundary):
     """The module's positional inputs with boundary nodes, or None when none needs grad."""
-    out = _boundary(args)
+    out = _boundary(args, boundary)
     return None if out is args else out
 
 
 def register(offload, module):
     """Numbers the module tree (ds_id) and registers z3ext's hooks on every module; handles go to the
     offload's `forward_hooks`, which DeepSpeed removes and re-registers through this same method."""
+    boundary = ops().input_boundary
     counter = [0]
 
     def visit(m):
@@ -124,7 +111,7 @@ def register(offload, module):
         stack.append(m)
         offload.param_coordinator.fetch_sub_module(m, forward=True)
         if torch.is_grad_enabled():
-            return _input_boundary(args)
+            return _input_boundary(args, boundary)
 
     @torch.compiler.disable
     def _post_forward(m, args, output):
