@@ -116,9 +116,9 @@ class Z3extCoordinator:
             return
         self._running.append(sub_module)
         if not len(unit):
-            # A module without parameters (the root, a block) still moves the window: prefetch can
-            # start before the first module with parameters.
-            if self.bucket_numel > 0 and self.plan.cursor < len(self.plan.order):
+            # A module without parameters (the root, a block) starts the window when nothing is
+            # ahead: prefetch begins before the first module with parameters.
+            if self.bucket_numel > 0 and not self._ahead and self.plan.cursor < len(self.plan.order):
                 self._prefetch(self.plan.cursor)
             return
         pos = self.plan.observe(sub_module)
