@@ -17,7 +17,7 @@ from deepspeed_z3ext.plan import ForwardPlan
 
 class Z3extCoordinator:
 
-    def __init__(self, state, max_live_numel, prefetch_bucket_numel):
+    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -31,7 +31,7 @@ class Z3extCoordinator:
         # gathered buffers (not just of held units: a held parameter keeps its whole coalesced buffer
         # alive) are within stage3_max_live_parameters; past it, it is released as stock does and
         # tensor hooks gather it again for its backward, under a claim of that one call.
-        self._hold_enabled = state.config.hold_for_backward
+        self._hold_enabled = hold_for_backward
         self._max_live = max_live_numel
         # [Note: prefetch window] Units of the next modules in the plan are gathered ahead, in one
         # collective per batch, claimed for those modules' forwards, without making the compute

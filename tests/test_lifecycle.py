@@ -288,3 +288,26 @@ def test_orphan_records_stay_bounded():
     for rank, records in enumerate(run_on_ranks(orphans_stay_bounded)):
         assert max(records) > 0, "no orphan was made: the test did not exercise the path"
         assert records[-1] <= 2 * max(records[:4]) + 64, f"rank {rank}: orphan records grow: {records}"
+
+
+def status_after_forward(reuse):
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    zero_extra = {} if reuse is None else {"stage3_max_reuse_distance": reuse}
+    engine = _engine(_cfg(True, zero_extra), _stack_model)
+    layer = engine.module.layers[0]
+    seen = []
+    layer.register_forward_hook(lambda m, a, o: seen.append(m.weight.ds_status.name))  # after z3ext's
+    for step in range(2):
+        engine.backward(engine(_x(step, rank)))
+        engine.step()
+    return seen
+
+
+@pytest.mark.parametrize("reuse", [0, None], ids=["reuse0", "reusedefault"])
+def test_max_reuse_distance_zero_releases_after_forward(reuse):
+    """stage3_max_reuse_distance 0 asks stock to release each parameter right after its module and
+    fetch it again for backward; z3ext honours it by not holding for backward."""
+    for rank, seen in enumerate(run_on_ranks(status_after_forward, reuse=reuse)):
+        want = "NOT_AVAILABLE" if reuse == 0 else "AVAILABLE"
+        assert seen == [want, want], (rank, seen)
