@@ -296,8 +296,9 @@ def status_after_forward(reuse):
     zero_extra = {} if reuse is None else {"stage3_max_reuse_distance": reuse}
     engine = _engine(_cfg(True, zero_extra), _stack_model)
     layer = engine.module.layers[0]
+    weight = layer.weight  # read here: a read inside the root's forward would make it the root's external
     seen = []
-    layer.register_forward_hook(lambda m, a, o: seen.append(m.weight.ds_status.name))  # after z3ext's
+    layer.register_forward_hook(lambda m, a, o: seen.append(weight.ds_status.name))  # after z3ext's
     for step in range(2):
         engine.backward(engine(_x(step, rank)))
         engine.step()
