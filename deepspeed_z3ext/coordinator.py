@@ -196,22 +196,20 @@ class Z3extCoordinator:
         claim_per_call(self, module, claims.new_token(), args, outputs, gathered=False)
 
     def _recomputed(self, module, unit, args, outputs):
-        """A forward inside a backward pass (activation-checkpoint recomputation). Reentrant
-        checkpointing backpropagates the recomputed graph in this pass: a module is held under a
-        claim of this call that its input hooks drop after its backward (or the pass's end). A module
-        a graph already holds (non-reentrant checkpointing: the original forward held it) needs
-        nothing more: the original graph's claim or hooks serve its backward."""
-        engine, owner, claims = self.state.engine, module.ds_id, self.backward_claims
-        token = claims.new_token()
-        if claims.held_by_graph(module):
-            pass
-        elif self._hold_enabled and engine.live_numel <= self._max_live:
+        """A forward inside a backward pass (activation-checkpoint recomputation): the module stays
+        gathered under a claim of this call, whatever `hold_for_backward` and the live budget say.
+        Non-reentrant checkpointing compares the recomputed saved tensors (parameters included) with
+        the original ones when backward unpacks them, later in the pass: released parameters there
+        fail its metadata check. Reentrant checkpointing backpropagates the recomputed graph at once:
+        the module's input hooks drop the claim after its backward; otherwise the pass's end does.
+        A module a graph already holds (non-reentrant, held in the original forward) needs nothing."""
+        engine, claims = self.state.engine, self.backward_claims
+        if not claims.held_by_graph(module):
+            token = claims.new_token()
             engine.unshard(unit, self._bwd, token)
             claims.on_pass_end(token)
             claim_per_call(self, module, token, args, outputs, gathered=True)
-        else:
-            claim_per_call(self, module, token, args, outputs, gathered=False)
-        engine.reshard(unit, self._fwd, owner, also_direct=True)
+        engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def fetch_for_backward(self, module, token):
         """A module that was not held: its backward is about to run (tensor hook on its outputs)."""
