@@ -21,7 +21,9 @@
 // the page cache on a second, buffered descriptor. The direct part of an odd-sized request ends on a
 // page boundary, so the buffered tail never shares a page-cache page with bytes written directly by
 // the same request (writeback of such a page could put stale bytes over them). Nothing is truncated:
-// every byte of the buffer is read or written, or the op fails naming file and offset.
+// every byte of the buffer is read or written, or the op fails naming file and offset. Not ordered:
+// two requests in flight at once whose bytes share a page of one file, one moved directly and the
+// other through the page cache (the usual Linux caveat on mixing the two); wait() between them.
 #pragma once
 #include <ATen/ATen.h>
 #include <Python.h>

@@ -22,7 +22,9 @@ raised by the `wait()` that completes it, after every pending op has finished.
 Differences from DeepSpeed's handle: `wait()` with nothing pending returns 0 (DeepSpeed asserts);
 `single_submit` and `overlap_events` are accepted and reported but change nothing (there is no
 submission queue to batch); `free_cpu_locked_tensor` forgets the buffer, whose memory is freed when
-its last reference dies (DeepSpeed frees it under any remaining reference).
+its last reference dies (DeepSpeed frees it under any remaining reference); on an O_DIRECT filesystem
+DeepSpeed 0.19.8's handle moves only whole blocks at aligned offsets and drops the rest without an
+error, this one moves every byte (tests/test_aio_any_buffer.py).
 """
 import operator
 import os
