@@ -228,15 +228,20 @@ inline Plan plan_request(const Mode& mode, uintptr_t addr, int64_t file_offset, 
   return p;
 }
 
-// The calling worker's aligned bounce buffer, grown on demand and kept for its next chunks.
-inline char* bounce_buffer(int64_t len, int64_t align) {
+// The calling worker's aligned bounce buffers, grown on demand and kept for its next chunks: slot 0
+// for one chunk moved synchronously (transfer), slot 1 for the bounced chunks of a native AIO batch
+// (a synchronous transfer may run while that batch is in flight).
+constexpr int64_t kBounceBatchBytes = 32 << 20;  // at most this much bounced per native AIO batch
+
+inline char* bounce_buffer(int64_t len, int64_t align, int slot = 0) {
   struct Block {
     void* p = nullptr;
     int64_t cap = 0;
     int64_t align = 0;
     ~Block() { free(p); }
   };
-  thread_local Block b;
+  thread_local Block blocks[2];
+  Block& b = blocks[slot];
   const int64_t a = std::max<int64_t>(align, sysconf(_SC_PAGESIZE));
   if (b.cap < len || a % std::max<int64_t>(b.align, 1) != 0) {
     free(b.p);
@@ -293,7 +298,8 @@ class AioHandle {
     // (block_size each, in file order) and submits them at once through the kernel's native AIO
     // (io_submit/io_getevents, raw syscalls: no libaio needed); where that is unavailable (io_setup
     // refused) and for buffered files, which native AIO would run synchronously anyway, a worker
-    // does one blocking pread/pwrite at a time. Every op is cut into chunks that all workers take
+    // does one blocking pread/pwrite at a time. Bounced chunks ([Note: aio any buffer]) join the native
+    // batches through the worker's bounce buffer (at most kBounceBatchBytes of them per batch). Every op is cut into chunks that all workers take
     // from one queue, so one large op uses every thread.
     // Z3EXT_AIO_BACKEND=pread forces the fallback (tests, and a way out should native AIO misbehave).
     const char* backend = std::getenv("Z3EXT_AIO_BACKEND");
@@ -604,14 +610,19 @@ class AioHandle {
         if (queue_.empty()) return;
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
-        if (kaio.ok && batch[0].via == Via::kDirect) {
-          while (batch.size() < depth && !queue_.empty() && queue_.front().via == Via::kDirect) {
+        if (kaio.ok && batch[0].via != Via::kBuffered) {
+          int64_t bounced = batch[0].via == Via::kBounce ? batch[0].len : 0;
+          while (batch.size() < depth && !queue_.empty() && queue_.front().via != Via::kBuffered) {
+            if (queue_.front().via == Via::kBounce) {
+              if (bounced + queue_.front().len > kBounceBatchBytes) break;
+              bounced += queue_.front().len;
+            }
             batch.push_back(std::move(queue_.front()));
             queue_.pop_front();
           }
         }
       }
-      if (kaio.ok && batch[0].via == Via::kDirect) {
+      if (kaio.ok && batch[0].via != Via::kBuffered) {
         submit_and_wait(kaio, batch);
       } else if (!batch[0].op->failed.load()) {
         transfer(batch[0]);
@@ -625,18 +636,38 @@ class AioHandle {
 
   // Submits the chunks (of ops that have not failed) as one native AIO batch and waits for all of
   // them; a short completion is finished synchronously, a refused submission done synchronously.
+  // Bounced chunks (misaligned buffer address) go through slots of the worker's batch bounce buffer.
   static void submit_and_wait(KernelAio& kaio, std::vector<Chunk>& batch) {
     std::vector<struct iocb> cbs(batch.size());
     std::vector<struct iocb*> ptrs;
+    std::vector<char*> slots(batch.size(), nullptr);
+    int64_t bounce_bytes = 0, bounce_align = 1;
+    for (const Chunk& c : batch) {
+      if (c.via != Via::kBounce) continue;
+      bounce_bytes += (c.len + 4095) / 4096 * 4096;  // page-aligned slots
+      bounce_align = std::max(bounce_align, c.op->mem_align);
+    }
+    char* region = bounce_bytes ? bounce_buffer(bounce_bytes, bounce_align, 1) : nullptr;
+    int64_t slot_off = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
       const Chunk& c = batch[i];
       if (c.op->failed.load()) continue;
+      char* mem = c.op->base + c.buf_off;
+      if (c.via == Via::kBounce) {
+        if (region == nullptr) {
+          record_error(*c.op, ENOMEM, c.op->file_offset + c.buf_off);
+          continue;
+        }
+        mem = slots[i] = region + slot_off;
+        slot_off += (c.len + 4095) / 4096 * 4096;
+        if (!c.op->read) std::memcpy(mem, c.op->base + c.buf_off, static_cast<size_t>(c.len));
+      }
       struct iocb& cb = cbs[i];
       std::memset(&cb, 0, sizeof(cb));
       cb.aio_data = i;
-      cb.aio_fildes = static_cast<uint32_t>(c.op->fd);  // kDirect chunks only: the O_DIRECT descriptor
+      cb.aio_fildes = static_cast<uint32_t>(c.op->fd);  // direct and bounced chunks: the O_DIRECT descriptor
       cb.aio_lio_opcode = c.op->read ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
-      cb.aio_buf = reinterpret_cast<uint64_t>(c.op->base + c.buf_off);
+      cb.aio_buf = reinterpret_cast<uint64_t>(mem);
       cb.aio_nbytes = static_cast<uint64_t>(c.len);
       cb.aio_offset = c.op->file_offset + c.buf_off;
       ptrs.push_back(&cb);
@@ -658,12 +689,16 @@ class AioHandle {
         break;  // cannot happen with a valid context; never hang on it
       }
       for (long j = 0; j < r; ++j) {
-        const Chunk& c = batch[events[j].data];
+        const size_t i = events[j].data;
+        const Chunk& c = batch[i];
         const int64_t res = events[j].res;
         if (res < 0) {
           record_error(*c.op, static_cast<int>(-res), c.op->file_offset + c.buf_off);
-        } else if (res < c.len) {  // short: finish the rest the plain way (EOF and ENOSPC surface there)
-          transfer(Chunk{c.op, c.buf_off + res, c.len - res, Via::kDirect});
+          continue;
+        }
+        if (slots[i] && c.op->read) std::memcpy(c.op->base + c.buf_off, slots[i], static_cast<size_t>(std::min(res, c.len)));
+        if (res < c.len) {  // short: finish the rest the plain way (EOF and ENOSPC surface there)
+          transfer(Chunk{c.op, c.buf_off + res, c.len - res, c.via});
         }
       }
       done += static_cast<size_t>(r);
