@@ -84,17 +84,20 @@ def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
 # ignore_unused_parameters, use_multi_rank_bucket_allreduce are stage 1/2 keys. The keys below ask for a
 # fetch behaviour z3ext does not have; they are accepted at DeepSpeed's default (which HF's
 # standard ZeRO-3 config uses: stage3_max_reuse_distance 1e9, the others absent) and refused at any
-# other value, so that no setting is silently ignored.
+# other value, so that no setting is silently ignored. stage3_max_reuse_distance is also accepted at
+# 0 (release right after each module: z3ext then does not hold for backward, main's c73c887) and
+# above the default (keep for reuse: what holding for backward does, within max_live_parameters);
+# only a bound in between, which z3ext does not track, is refused.
 _REFUSED_UNLESS_DEFAULT = (
-    # (DeepSpeedZeroConfig field, config key, what z3ext does instead)
-    ("max_reuse_distance", "stage3_max_reuse_distance",
-     "z3ext releases a module's parameters after its forward unless held for backward "
-     "(z3ext.hold_for_backward, bounded by stage3_max_live_parameters); it keeps none by reuse distance"),
-    ("allgather_sequential", "stage3_allgather_sequential",
+    # (DeepSpeedZeroConfig field, config key, values accepted besides the default, what z3ext does instead)
+    ("max_reuse_distance", "stage3_max_reuse_distance", lambda v, default: v == 0 or v >= default,
+     "0 or at least the default: z3ext releases a module's parameters after its forward unless held for "
+     "backward (z3ext.hold_for_backward, bounded by stage3_max_live_parameters), it tracks no reuse distance"),
+    ("allgather_sequential", "stage3_allgather_sequential", None,
      "z3ext gathers a unit in one coalesced collective"),
-    ("enable_sanity_checks", "enable_sanity_checks",
+    ("enable_sanity_checks", "enable_sanity_checks", None,
      "z3ext does not check GatheredParameters blocks for in-place edits without modifier_rank"),
-    ("log_trace_cache_warnings", "log_trace_cache_warnings",
+    ("log_trace_cache_warnings", "log_trace_cache_warnings", None,
      "use z3ext.plan_warning_steps to log forwards that leave the recorded order"),
 )
 
@@ -110,10 +113,11 @@ def unsupported_options(ds_config) -> list:
     zc = ds_config.zero_config
     found = []
 
-    for field, key, instead in _REFUSED_UNLESS_DEFAULT:
+    for field, key, also_accepted, instead in _REFUSED_UNLESS_DEFAULT:
         value, default = getattr(zc, field, None), _zero_default(field)
-        if value is not None and value != default:
-            found.append(f"zero_optimization.{key} = {value!r} (only DeepSpeed's default {default!r}: {instead})")
+        if value is None or value == default or (also_accepted is not None and also_accepted(value, default)):
+            continue
+        found.append(f"zero_optimization.{key} = {value!r} (only DeepSpeed's default {default!r}: {instead})")
 
     if getattr(zc, "zero_hpz_partition_size", 1) > 1:
         found.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ)")

@@ -22,7 +22,7 @@ BAD_SECTIONS = {
 
 REFUSED = {
     # DeepSpeed zero_optimization key: (a value z3ext refuses, DeepSpeed's default, which it accepts)
-    "stage3_max_reuse_distance": (0, 1e9),
+    "stage3_max_reuse_distance": (500000000, 1e9),
     "stage3_allgather_sequential": (True, False),
     "enable_sanity_checks": (True, False),
     "log_trace_cache_warnings": (True, False),
@@ -100,6 +100,9 @@ def config_cases():
     for key, (bad, default) in REFUSED.items():
         out["refused"][key] = error_of(ds_config(z3ext=True, zero_extra={key: bad}))
         out["default_accepted"][key] = is_z3ext(init(ds_config(z3ext=True, zero_extra={key: default})))
+    # stage3_max_reuse_distance: 0 (release after each module) and above the default are accepted too.
+    out["reuse_accepted"] = [is_z3ext(init(ds_config(z3ext=True, zero_extra={"stage3_max_reuse_distance": v})))
+                             for v in (0, 10**12)]
     # Several at once: every one named in one message.
     out["refused_all"] = error_of(ds_config(z3ext=True, zero_extra={k: bad for k, (bad, _) in REFUSED.items()}))
     # Refused only when z3ext is on: stock DeepSpeed keeps them.
@@ -138,6 +141,7 @@ def test_deepspeed_option_refused_by_name_unless_default(cases, key):
     assert cases["default_accepted"][key] is True
     assert all(f"zero_optimization.{k} =" in cases["refused_all"] for k in REFUSED), cases["refused_all"]
     assert cases["stock_keeps_them"] is True
+    assert cases["reuse_accepted"] == [True, True]
 
 
 def test_hf_standard_zero3_config_is_accepted_and_trains(cases):
