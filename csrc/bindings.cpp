@@ -1,6 +1,7 @@
 // The one binding file: exposes the z3ext concepts (claims, handles, units, the gather engine).
 #include <torch/csrc/utils/pybind.h>
 #include "aio.h"
+#include "boundary.h"
 #include "engine.h"
 
 namespace py = pybind11;
@@ -13,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  m.def("input_boundary", &input_boundary, py::arg("tensor"));
 
   py::enum_<ClaimKind>(m, "ClaimKind")
       .value("FORWARD", ClaimKind::Forward)
@@ -59,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)
       .def("sweep", &GatherEngine::sweep)
+      .def("drop_owners", &GatherEngine::drop_owners, py::arg("kind"), py::arg("owners"))
+      .def_property_readonly("orphan_records", &GatherEngine::orphan_records)
       .def("write_back", &GatherEngine::write_back)
       .def("destroy", &GatherEngine::destroy)
       .def("live_orphans", &GatherEngine::live_orphans)

@@ -118,6 +118,23 @@ class GatherEngine {
     return released;
   }
 
+  // Drops the claims (kind, owner) for every owner in `owners` from every parameter of this engine;
+  // releases the unclaimed. How a backward graph's holds end (coordinator.py [Note: graph claims]):
+  // one pass over the handles, however many units the graph held.
+  int64_t drop_owners(ClaimKind kind, const std::vector<int64_t>& owners) {
+    int64_t released = 0;
+    if (owners.empty()) return 0;
+    for (const auto& h : handles_) {
+      bool dropped = false;
+      for (auto o : owners) dropped = h->claims.remove(Claim{kind, o}) || dropped;
+      if (dropped && h->claims.empty() && h->bucket) {
+        release(*h);
+        ++released;
+      }
+    }
+    return released;
+  }
+
   // Drops every claim of `kinds` held on any parameter of this engine; releases the unclaimed.
   int64_t sweep(const std::vector<ClaimKind>& kinds) {
     int64_t released = 0;
@@ -159,16 +176,13 @@ class GatherEngine {
   // Names of parameters whose released buffers are still referenced outside z3ext (see
   // [Note: pool reuse hazard]); entries whose storage has since died are forgotten.
   std::vector<std::string> live_orphans() {
+    prune_orphans();
     std::vector<std::string> names;
-    std::vector<Orphan> alive;
-    for (auto& o : orphans_) {
-      if (o.storage.expired()) continue;
-      names.insert(names.end(), o.names.begin(), o.names.end());
-      alive.push_back(std::move(o));
-    }
-    orphans_ = std::move(alive);
+    for (const auto& o : orphans_) names.insert(names.end(), o.names.begin(), o.names.end());
     return names;
   }
+
+  int64_t orphan_records() const { return static_cast<int64_t>(orphans_.size()); }
 
   const EngineStats& stats() const { return stats_; }
   const PoolStats& pool_stats() const { return pool_.stats(); }
@@ -334,8 +348,15 @@ class GatherEngine {
       at::Tensor buf = std::move(bucket->buffer);
       bucket->buffer.reset();
       c10::weak_intrusive_ptr<c10::StorageImpl> storage(buf.storage().getWeakStorageImpl());
-      if (!pool_.give_back(std::move(buf), Fence::record_current(device)))
+      if (!pool_.give_back(std::move(buf), Fence::record_current(device))) {
         orphans_.push_back(Orphan{std::move(bucket->names), std::move(storage)});
+        // Bounded whatever the config: records whose storage died are dropped whenever the list
+        // doubles since the last prune (amortised O(1) per release).
+        if (orphans_.size() >= 2 * orphans_pruned_size_ + 64) {
+          prune_orphans();
+          orphans_pruned_size_ = orphans_.size();
+        }
+      }
     }
   }
 
@@ -344,6 +365,13 @@ class GatherEngine {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   };
   std::vector<Orphan> orphans_;
+  size_t orphans_pruned_size_ = 0;
+
+  void prune_orphans() {
+    orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(),
+                                  [](const Orphan& o) { return o.storage.expired(); }),
+                   orphans_.end());
+  }
 
   BufferPool pool_;
   GatherStream stream_;

@@ -129,8 +129,6 @@ def unsupported_options(ds_config) -> list:
         found.append("zero_optimization.zenflow (ZenFlow)")
     if getattr(getattr(zc, "offload_optimizer", None), "super_offload", False):
         found.append("zero_optimization.offload_optimizer.super_offload (SuperOffload)")
-    if (getattr(zc, "module_granularity_threshold", 0) or 0) > 0:
-        found.append("zero_optimization.stage3_module_granularity_threshold > 0")
     if getattr(zc, "use_all_reduce_for_fetch_params", False):
         found.append("zero_optimization.use_all_reduce_for_fetch_params")
     op = getattr(zc, "offload_param", None)

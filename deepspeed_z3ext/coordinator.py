@@ -11,26 +11,28 @@ from deepspeed.runtime.zero import parameter_offload
 from deepspeed.utils import logger
 
 from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.graphs import BackwardClaims, claim_per_call, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
 
 
 class Z3extCoordinator:
 
-    def __init__(self, state, max_live_numel, prefetch_bucket_numel):
+    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
         self.bucket_numel = prefetch_bucket_numel
         self.hierarchy = 0  # read and written by the stage-3 optimizer
         # [Note: hold for backward] Autograd's use of a module's parameters in backward is a claim:
-        # at the end of a grad-enabled forward the module's Forward claim becomes a Backward claim,
-        # so backward (and a GatheredParameters block between forward and backward) needs no
-        # re-gather. A unit is held only while the elements of all gathered buffers (not just of
-        # held units: a held parameter keeps its whole coalesced buffer alive) are within
-        # stage3_max_live_parameters; past it, it is released as stock does.
-        self._hold = state.config.hold_for_backward
+        # at the end of a grad-enabled forward whose outputs need grad, the module's Forward claim
+        # becomes a Backward claim of the autograd graph of this forward call ([Note: graph claims]
+        # in graphs.py), so backward (and a GatheredParameters block or another forward between
+        # forward and backward) needs no re-gather. A unit is held only while the elements of all
+        # gathered buffers (not just of held units: a held parameter keeps its whole coalesced buffer
+        # alive) are within stage3_max_live_parameters; past it, it is released as stock does and
+        # tensor hooks gather it again for its backward, under a claim of that one call.
+        self._hold_enabled = hold_for_backward
         self._max_live = max_live_numel
-        self._held = set()  # module ds_ids holding a Backward claim from their forward
         # [Note: prefetch window] Units of the next modules in the plan are gathered ahead, in one
         # collective per batch, claimed for those modules' forwards, without making the compute
         # stream wait ([Note: deferred wait]); the numel gathered ahead and not yet reached stays
@@ -46,9 +48,11 @@ class Z3extCoordinator:
         self._last_warning = None
         k = ops().ClaimKind
         self._fwd, self._bwd = k.FORWARD, k.BACKWARD
-        # Every kind a new outermost forward or an optimizer step ends; Gathered blocks survive both.
-        self._step_kinds = [k.FORWARD, k.BACKWARD, k.DIRECT, k.FALLBACK]
-        self._all_but_gathered = self._step_kinds + [k.PERSIST]
+        self.backward_claims = BackwardClaims(state.engine, k.BACKWARD)
+        # The kinds a new outermost forward ends (Backward claims end with their graph or pass); an
+        # optimizer step ends all but live GatheredParameters blocks.
+        self._step_kinds = [k.FORWARD, k.DIRECT, k.FALLBACK]
+        self._all_but_gathered = self._step_kinds + [k.BACKWARD, k.PERSIST]
 
     # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):
@@ -74,16 +78,15 @@ class Z3extCoordinator:
         """The innermost module of this engine running its forward (recomputation included)."""
         return self._running[-1] if self._running else None
 
-    def _forget_held(self):
-        self._held.clear()
-
     def reset_step(self):
-        """Start of an outermost forward: whatever an abandoned forward or backward left is released,
-        and the module stack an exception inside a forward left dirty is cleaned."""
+        """Start of an outermost forward: Forward and Direct claims an abandoned forward left are
+        released, and Backward claims whose graph or pass is over ([Note: graph claims]); the module
+        stack an exception inside a forward left dirty is cleaned."""
+        self.backward_claims.start_forward()
         self.state.engine.sweep(self._step_kinds)
-        self._forget_held()
-        _clean_module_stack()
-        self._running.clear()
+        if not in_backward():
+            _clean_module_stack()
+            self._running.clear()
         self._ahead.clear()
         self._ahead_numel = 0
         self._frontier = 0
@@ -113,6 +116,10 @@ class Z3extCoordinator:
             return
         self._running.append(sub_module)
         if not len(unit):
+            # A module without parameters (the root, a block) starts the window when nothing is
+            # ahead: prefetch begins before the first module with parameters.
+            if self.bucket_numel > 0 and not self._ahead and self.plan.cursor < len(self.plan.order):
+                self._prefetch(self.plan.cursor)
             return
         pos = self.plan.observe(sub_module)
         state.engine.unshard(unit, self._fwd, sub_module.ds_id)
@@ -157,30 +164,63 @@ class Z3extCoordinator:
         state.engine.unshard_batch(units, self._fwd, owners, True)
         self._ahead_numel += numel
 
-    def release_sub_module(self, sub_module, forward=False, grad_enabled=False):
+    def release_sub_module(self, sub_module, grad_enabled=False, args=(), outputs=(), raised=False):
+        """End of a module's forward (also one that raised, or that checkpoint recomputation stopped
+        early): its Forward claim is dropped or becomes a Backward claim ([Note: graph claims]).
+        `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
+        self._pop_running(sub_module)
         unit = self.state.unit_for(sub_module)
-        engine, owner = self.state.engine, sub_module.ds_id
-        if forward:
-            self._pop_running(sub_module)
-        if not len(unit):  # a module without parameters (a block, the root): nothing claimed
-            return False
-        if forward and self._hold and grad_enabled:
-            held = owner in self._held
-            if not held and engine.live_numel <= self._max_live:
-                engine.unshard(unit, self._bwd, owner)  # already gathered: moves the claim only
-                self._held.add(owner)
-                held = True
-            if held:
-                engine.reshard(unit, self._fwd, owner, also_direct=True)
-                return True
-        engine.reshard(unit, self._fwd if forward else self._bwd, owner, also_direct=True)
-        if not forward:
-            self._held.discard(owner)
-        return False
+        recomputing = in_backward()
+        if len(unit):
+            if grad_enabled and not raised and any(t.requires_grad for t in outputs):
+                if recomputing:
+                    self._recomputed(sub_module, unit, args, outputs)
+                else:
+                    self._hold(sub_module, unit, args, outputs)
+            else:
+                # No output needs grad (or no grad, or it raised): its backward cannot run.
+                self.state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
+        if not self._running and not recomputing:
+            self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
 
-    def needs_backward_hooks(self, module):
-        """A module released after a grad-enabled forward must fetch again for its backward."""
-        return len(self.state.unit_for(module)) > 0
+    def _hold(self, module, unit, args, outputs):
+        engine, owner, claims = self.state.engine, module.ds_id, self.backward_claims
+        if self._hold_enabled:
+            g = claims.graph()
+            if id(module) in g.held or engine.live_numel <= self._max_live:
+                engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
+                g.held.add(id(module))
+                engine.reshard(unit, self._fwd, owner, also_direct=True)
+                return
+        engine.reshard(unit, self._fwd, owner, also_direct=True)
+        claim_per_call(self, module, claims.new_token(), args, outputs, gathered=False)
+
+    def _recomputed(self, module, unit, args, outputs):
+        """A forward inside a backward pass (activation-checkpoint recomputation). Reentrant
+        checkpointing backpropagates the recomputed graph in this pass: a module is held under a
+        claim of this call that its input hooks drop after its backward (or the pass's end). A module
+        a graph already holds (non-reentrant checkpointing: the original forward held it) needs
+        nothing more: the original graph's claim or hooks serve its backward."""
+        engine, owner, claims = self.state.engine, module.ds_id, self.backward_claims
+        token = claims.new_token()
+        if claims.held_by_graph(module):
+            pass
+        elif self._hold_enabled and engine.live_numel <= self._max_live:
+            engine.unshard(unit, self._bwd, token)
+            claims.on_pass_end(token)
+            claim_per_call(self, module, token, args, outputs, gathered=True)
+        else:
+            claim_per_call(self, module, token, args, outputs, gathered=False)
+        engine.reshard(unit, self._fwd, owner, also_direct=True)
+
+    def fetch_for_backward(self, module, token):
+        """A module that was not held: its backward is about to run (tensor hook on its outputs)."""
+        self.state.engine.unshard(self.state.unit_for(module), self._bwd, token)
+        self.backward_claims.on_pass_end(token)
+
+    def release_for_backward(self, module, token):
+        """Its inputs' gradients are complete: its backward has run."""
+        self.state.engine.reshard(self.state.unit_for(module), self._bwd, token, also_direct=True)
 
     def _pop_running(self, module):
         # Pops `module` and anything above it: an inner forward that raised, or a recomputation that
@@ -192,16 +232,17 @@ class Z3extCoordinator:
                 return
 
     def release_and_reset_all(self, module):
-        """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released."""
+        """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released
+        (the step rewrites partitions: a full parameter kept across it would be stale)."""
         self.state.engine.sweep(self._all_but_gathered)
-        self._forget_held()
+        self.backward_claims.forget_all()
         if self.state.config.leak_check:
             self.state.check_leaks("at the optimizer step")
 
     def release_backward_leftovers(self):
-        """End of backward: modules whose post-backward hook never fired (no-grad inputs)."""
-        self.state.engine.sweep([self._bwd])
-        self._forget_held()
+        """DeepSpeed's end-of-backward epilogue. Backward claims end with their graph or pass
+        ([Note: graph claims]), which may outlive this backward; only freed graphs are dropped."""
+        self.backward_claims.collect()
 
 
 def _clean_module_stack():

@@ -6,33 +6,27 @@ Function so that backward can fetch before and release after each module. Those 
 every forward, grad-enabled or not, and cost more host time than the fetch itself. z3ext registers
 one forward pre-hook and one forward hook per module:
 - pre-forward: the module joins DeepSpeed's forward module stack and the coordinator fetches its unit;
-- post-forward: it leaves the stack, a parameter returned as an output is registered as external to
-  the enclosing module (as DeepSpeed's hook does), and the coordinator releases the unit or holds it
-  for backward ([Note: hold for backward]).
-A held module needs nothing in backward: its parameters are gathered, and the stage-3 optimizer's
-backward epilogue releases what backward held (`release_backward_leftovers`). Only a module that was
-not held in a grad-enabled forward gets backward hooks, and cheap ones: a tensor hook on its outputs
-fetches before its backward, a tensor hook on its inputs releases once their gradient is complete
-(after this module's backward; later than stock when an input has other consumers, never earlier).
-The root module also carries DeepSpeed's start-of-forward hook (`reset_step`).
+- post-forward (`always_call`: also when the forward raised, or when non-reentrant checkpointing
+  stopped a recomputation early inside it, so no module is left running and no Forward claim
+  behind): it leaves the stack, a parameter returned as an output is registered as external to the
+  enclosing module (as DeepSpeed's hook does), and the coordinator releases the unit or holds it for
+  the backward of this call's autograd graph ([Note: hold for backward], [Note: graph claims]).
+A held module needs nothing in backward. Only a module that was not held in a grad-enabled forward
+gets backward hooks, and cheap ones, owned by that one call (graphs.claim_per_call). Inputs and
+outputs are walked at any depth (tuples, lists, dicts, namedtuples, dataclasses, HF ModelOutput),
+as DeepSpeed's `apply_to_tensors_only` does. The root module also carries DeepSpeed's
+start-of-forward hook (`reset_step`).
 """
+import sys
+
 import torch
 from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.graphs import tensors_in as _tensors
 from deepspeed_z3ext.state import STATE_ATTR
-
-
-def _tensors(value):
-    if torch.is_tensor(value):
-        return (value, )
-    if isinstance(value, (tuple, list)):
-        return tuple(v for v in value if torch.is_tensor(v))
-    if isinstance(value, dict):
-        return tuple(v for v in value.values() if torch.is_tensor(v))
-    return tuple(v for k, v in vars(value).items() if not k.startswith("__") and torch.is_tensor(v)) \
-        if hasattr(value, "__dict__") else ()
 
 
 def _dangling(module, params):
@@ -56,9 +50,45 @@ def _dangling(module, params):
                 param.all_gather()
 
 
+# [Note: input boundary] The identity node stock DeepSpeed puts on every module input
+# (`PostBackwardFunctionModule`: forward `detach()`, backward passes the gradient through; here
+# csrc/boundary.h). z3ext needs no such node for its own bookkeeping, but it decides how autograd
+# sums the gradient of a tensor read both inside a module and outside it: with the node, the
+# module's own uses are summed first (in the node's input buffer), then added to the outside ones;
+# without it, all are summed in execution order. HF Llama's RMSNorm reads its input twice and the
+# residual reads it again: without the node the gradients differed from stock's in the last bit
+# (issue 15, item 6). Only inputs that need grad get it, in grad mode (elsewhere it changes nothing).
+def _boundary(value, boundary, depth=0):
+    if torch.is_tensor(value):
+        if not value.requires_grad:
+            return value
+        out = boundary(value)
+        if hasattr(value, "ds_id"):
+            out.ds_param_alias = value  # as stock: a parameter passed as input stays recognisable
+        return out
+    if depth > 32:
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [_boundary(v, boundary, depth + 1) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):  # in place, as stock (keeps dict subclasses)
+        for k in value:
+            value[k] = _boundary(value[k], boundary, depth + 1)
+    return value
+
+
+def _input_boundary(args, boundary):
+    """The module's positional inputs with boundary nodes, or None when none needs grad."""
+    out = _boundary(args, boundary)
+    return None if out is args else out
+
+
 def register(offload, module):
     """Numbers the module tree (ds_id) and registers z3ext's hooks on every module; handles go to the
     offload's `forward_hooks`, which DeepSpeed removes and re-registers through this same method."""
+    boundary = ops().input_boundary
     counter = [0]
 
     def visit(m):
@@ -72,7 +102,7 @@ def register(offload, module):
                 counter[0] += 1
                 visit(child)
         offload.forward_hooks.append(m.register_forward_pre_hook(_pre_forward))
-        offload.forward_hooks.append(m.register_forward_hook(_post_forward))
+        offload.forward_hooks.append(m.register_forward_hook(_post_forward, always_call=True))
 
     stack = parameter_offload.FWD_MODULE_STACK
 
@@ -80,43 +110,21 @@ def register(offload, module):
     def _pre_forward(m, args):
         stack.append(m)
         offload.param_coordinator.fetch_sub_module(m, forward=True)
+        if torch.is_grad_enabled():
+            return _input_boundary(args, boundary)
 
     @torch.compiler.disable
     def _post_forward(m, args, output):
+        raised = output is None and sys.exc_info()[0] is not None
         if stack and stack[-1] is m:
             stack.pop()
-        if output is not None:
-            returned = [t if hasattr(t, "ds_id") else t.ds_param_alias for t in _tensors(output)
+        outputs = _tensors(output) if output is not None else ()
+        if outputs:
+            returned = [t if hasattr(t, "ds_id") else t.ds_param_alias for t in outputs
                         if hasattr(t, "ds_id") or hasattr(t, "ds_param_alias")]
             if returned:
                 _dangling(m, returned)
-        coord = offload.param_coordinator
-        grad = torch.is_grad_enabled()
-        held = coord.release_sub_module(m, forward=True, grad_enabled=grad)
-        if grad and not held and coord.needs_backward_hooks(m):
-            _backward_hooks(coord, m, args, output)
+        offload.param_coordinator.release_sub_module(m, grad_enabled=torch.is_grad_enabled(), args=args,
+                                                     outputs=outputs, raised=raised)
 
     visit(module)
-
-
-def _backward_hooks(coord, module, args, output):
-    outs = [t for t in _tensors(output) if t.requires_grad]
-    ins = [t for t in _tensors(args) if t.requires_grad]
-    if not outs:
-        return
-    state = {"fetched": False, "pending": len(ins)}
-
-    def before(grad):
-        if not state["fetched"]:
-            state["fetched"] = True
-            coord.fetch_sub_module(module, forward=False)
-
-    def after(grad):
-        state["pending"] -= 1
-        if state["pending"] == 0 and state["fetched"]:
-            coord.release_sub_module(module, forward=False)
-
-    for t in outs:
-        t.register_hook(before)
-    for t in ins:
-        t.register_hook(after)

@@ -23,8 +23,11 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("post_bwd_fn", None)
         super().__init__(module, timers, ds_config, *args, **kwargs)
         self.z3ext = Z3extState(self.module, z3ext_config)
+        # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
+        # and fetch it again for backward: z3ext honours it by not holding for backward.
+        hold = z3ext_config.hold_for_backward and self._max_reuse_distance_in_numel > 0
         self.param_coordinator = Z3extCoordinator(self.z3ext, self._max_available_parameters_in_numel,
-                                                  self._prefetch_bucket_sz)
+                                                  self._prefetch_bucket_sz, hold_for_backward=hold)
         self.z3ext.coordinator = self.param_coordinator
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])

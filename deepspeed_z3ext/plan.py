@@ -63,10 +63,9 @@ class ForwardPlan:
         if self.divergence is None:
             self.divergence = Divergence(c, _name(order[c]) if c < len(order) else "<end>", _name(module))
             self.diverged_forwards += 1
-        try:
-            self.cursor = order.index(module, c) + 1
-        except ValueError:
-            self.cursor = len(order)
+        # By identity, never `list.index`: its miss formats repr(module), whose extra_repr can read
+        # parameters through the external-parameter getter (registering spurious externals).
+        self.cursor = next((i + 1 for i in range(c, len(order)) if order[i] is module), len(order))
         return self.cursor
 
 

@@ -87,3 +87,15 @@ def test_gpu_ownership(case):
     }
     for rank, r in enumerate(run_on_ranks(getattr(T, case), backend="nccl")):
         assert checks[case](r), f"rank {rank}: {r}"
+
+
+@pytest.mark.parametrize("case", ["hold-mel", "nohold-nomel", "partial-hold"])
+def test_gpu_backward_integrity(case):
+    """test_backward_integrity.py's cases (forwards between forward and backward, a module applied
+    twice, nested outputs, non-reentrant checkpoint early stop) on 2 GPUs with NCCL, fp32."""
+    from tests.test_backward_integrity import train_next_to_stock
+    results = run_on_ranks(train_next_to_stock, backend="nccl", case=case, timeout=400)
+    for rank, r in enumerate(results):
+        assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+        assert not r["problems"], f"rank {rank}: " + "\n".join(r["problems"])

@@ -1,0 +1,245 @@
+"""BackwardClaims: Backward claims owned by what needs them, the autograd graph of one forward call
+and one backward pass, not by a module.
+
+[Note: graph claims] Holding a module's parameters from its forward to its backward is what makes
+z3ext's forward cheap (no per-module backward hooks for held modules). The hold belongs to the
+autograd graph that saved those parameters, and ends only when that graph cannot use them again:
+- A grad-enabled outermost forward opens a *graph* (a token) at its first hold; every module held
+  during it takes one Backward claim owned by that token (a module applied twice shares it). When
+  the outermost forward returns, the graph is *sealed*: a pre-hook is put on the grad_fn of each
+  output that needs grad (outputs walked at any depth). A graph with no such output can never run
+  backward: its claims are dropped at once (an evaluation forward without `no_grad`).
+- A backward that executes every one of the graph's output nodes has run the whole graph: its
+  claims are dropped when that backward pass completes (an autograd engine callback). A backward
+  that reached only some outputs leaves the graph claimed.
+- A graph whose output nodes were all freed without such a backward (the loss abandoned) is
+  dropped at the next forward, optimizer step or backward pass end: the pre-hooks share a sentinel
+  whose finaliser queues the token (no engine call from a finaliser: it may run anywhere).
+- Another forward, with or without grad, of the same or other modules, never drops a graph's
+  claims (the DPO reference forward, a teacher forward). The optimizer step drops all of them: the
+  step rewrites partitions, so a full parameter held across it would be stale.
+Claims taken inside a backward pass (a not-held module re-gathered for its backward, a module held
+through activation-checkpoint recomputation) are owned by per-call tokens registered with that
+pass: dropped by the module's own input hooks, and at the latest when the pass completes, or when
+the next outermost forward starts outside any backward (a pass that raised never completes).
+Early: never (a claim ends only after the graph or the call that owns it is done); late: a graph
+whose backward covers only part of its outputs keeps its claims until it is freed or the step.
+A backward with `retain_graph=True` followed by a second backward through the same held modules is
+not supported (the first pass ends the graph's claims).
+"""
+import collections
+import dataclasses
+import enum
+from typing import Dict, List, Optional
+
+import torch
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GraphState(enum.Enum):
+    OPEN = 1    # its outermost forward is running: holds join it
+    SEALED = 2  # the forward returned: waiting for a backward through its outputs (or its death)
+
+
+class _Graph:
+    __slots__ = ("token", "state", "held", "roots", "reached")
+
+    def __init__(self, token):
+        self.token = token
+        self.state = GraphState.OPEN
+        self.held = set()  # ids of modules holding a claim of this graph
+        self.roots = 0     # output nodes that need grad
+        self.reached = set()  # output nodes a backward has executed
+
+
+class _Sentinel:
+    """Shared by a graph's output pre-hooks; dies with the last of its output nodes."""
+    __slots__ = ("token", "dead", "__weakref__")
+
+    def __init__(self, token, dead):
+        self.token, self.dead = token, dead
+
+    def __del__(self):
+        self.dead.append(self.token)  # deque.append is atomic: safe from any thread
+
+
+class _RootHook:
+    """Pre-hook on one output node of a sealed graph."""
+    __slots__ = ("claims", "token", "index", "sentinel")
+
+    def __init__(self, claims, token, index, sentinel):
+        self.claims, self.token, self.index, self.sentinel = claims, token, index, sentinel
+
+    def __call__(self, grad_outputs):
+        self.claims._reached(self.token, self.index)
+        return None
+
+
+class BackwardClaims:
+    """Tokens for Backward claims and when they end, for one coordinator."""
+
+    def __init__(self, engine, kind):
+        self._engine = engine      # the C++ GatherEngine (or its NVMe wrapper)
+        self._kind = kind          # ClaimKind.BACKWARD
+        self._next = 1 << 40       # tokens never collide with module ds_ids or other owners
+        self.open: Optional[_Graph] = None
+        self._sealed: Dict[int, _Graph] = {}
+        self._dead = collections.deque()
+        self._passes: Dict[int, List[int]] = {}  # graph task id -> tokens to drop when it completes
+
+    def new_token(self) -> int:
+        self._next += 1
+        return self._next
+
+    # -- graphs of forward calls -----------------------------------------------------------------
+    def graph(self) -> _Graph:
+        """The graph of the running outermost forward, opened at its first hold."""
+        if self.open is None:
+            self.open = _Graph(self.new_token())
+        return self.open
+
+    def seal(self, output_nodes) -> None:
+        """The outermost forward returned with these grad_fn nodes as outputs that need grad."""
+        g, self.open = self.open, None
+        if g is None:
+            return
+        if not output_nodes or not g.held:
+            self._drop([g.token])
+            return
+        g.state, g.roots = GraphState.SEALED, len(output_nodes)
+        self._sealed[g.token] = g
+        sentinel = _Sentinel(g.token, self._dead)
+        for i, node in enumerate(output_nodes):
+            node.register_prehook(_RootHook(self, g.token, i, sentinel))
+
+    def _reached(self, token, index):
+        g = self._sealed.get(token)
+        if g is None:
+            return
+        g.reached.add(index)
+        if len(g.reached) == g.roots:
+            del self._sealed[token]
+            self.on_pass_end(token)
+
+    # -- tokens of one backward pass -------------------------------------------------------------
+    def on_pass_end(self, token) -> None:
+        """`token`'s claims end when the running backward pass completes."""
+        task = torch._C._current_graph_task_id()
+        tokens = self._passes.get(task)
+        if tokens is None:
+            tokens = self._passes[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(task))
+        tokens.append(token)
+
+    def _end_pass(self, task):
+        self._drop(self._passes.pop(task, ()))
+        self.collect()
+
+    def drop(self, token) -> None:
+        self._drop([token])
+
+    def _drop(self, tokens):
+        if tokens:
+            self._engine.drop_owners(self._kind, list(tokens))
+
+    # -- between forwards --------------------------------------------------------------------------
+    def collect(self) -> None:
+        """Drops graphs whose outputs were freed without a backward through all of them."""
+        dead = self._dead
+        tokens = []
+        while dead:
+            t = dead.popleft()
+            if self._sealed.pop(t, None) is not None:
+                tokens.append(t)
+        self._drop(tokens)
+
+    def start_forward(self) -> None:
+        """An outermost forward starts: a forward that raised left its graph open (no outputs), and
+        outside any backward no pass is running, so tokens of passes that raised end here too."""
+        if self.open is not None:
+            g, self.open = self.open, None
+            self._drop([g.token])
+        if not in_backward() and self._passes:
+            tokens = [t for ts in self._passes.values() for t in ts]
+            self._passes.clear()
+            self._drop(tokens)
+        self.collect()
+
+    def forget_all(self) -> None:
+        """The optimizer step swept every Backward claim: no graph or pass holds anything now."""
+        self.open = None
+        self._sealed.clear()
+        self._passes.clear()
+        self._dead.clear()
+
+    def held_by_graph(self, module) -> bool:
+        key = id(module)
+        return (self.open is not None and key in self.open.held) or any(key in g.held for g in self._sealed.values())
+
+    def live_graphs(self) -> int:
+        return len(self._sealed) + (self.open is not None)
+
+
+def tensors_in(value, depth=0):
+    """The tensors in a module's inputs or outputs, at any nesting."""
+    if torch.is_tensor(value):
+        return [value]
+    out = []
+    if depth > 32:  # a cyclic structure: no module returns one deliberately
+        return out
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, dict):  # HF ModelOutput is an OrderedDict (and a dataclass)
+        items = value.values()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return out
+    for v in items:
+        if torch.is_tensor(v):
+            out.append(v)
+        elif v is not None and not isinstance(v, (int, float, str, bool)):
+            out.extend(tensors_in(v, depth + 1))
+    return out
+
+
+def grad_nodes(tensors) -> list:
+    """The distinct grad_fn nodes of the tensors that need grad (leaves have none)."""
+    nodes, seen = [], set()
+    for t in tensors:
+        node = t.grad_fn if t.requires_grad else None
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            nodes.append(node)
+    return nodes
+
+
+def claim_per_call(coord, module, token, args, outputs, gathered):
+    """Backward claim `token` of one call of `module`: gathered when the first of its outputs'
+    gradients arrives (unless `gathered`: held since its forward), dropped once every input's
+    gradient is complete (after this call's backward; later than stock when an input has other
+    consumers, never earlier). A call whose inputs need no grad keeps it to the end of the pass.
+    `args`: the call's inputs as passed (walked here: only calls that are not held pay for it)."""
+    ins = [t for t in tensors_in(args) if t.requires_grad]
+    state = [gathered, len(ins)]  # [claimed, inputs still waiting for their gradient]
+    if not gathered:
+        def before(grad):
+            if not state[0]:
+                state[0] = True
+                coord.fetch_for_backward(module, token)
+
+        for t in outputs:
+            if t.requires_grad:
+                t.register_hook(before)
+
+    def after(grad):
+        state[1] -= 1
+        if state[1] == 0 and state[0]:
+            coord.release_for_backward(module, token)
+
+    for t in ins:
+        t.register_hook(after)
