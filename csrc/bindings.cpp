@@ -119,7 +119,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_errors", &AioHandle::take_errors)
       .def_property_readonly("pending", &AioHandle::pending)
       .def("close", &AioHandle::close, py::call_guard<py::gil_scoped_release>())
-      .def("new_locked", &AioHandle::new_locked, py::arg("numel"), py::arg("example"))
+      .def(
+          "new_locked",
+          [](AioHandle& h, int64_t numel, const at::Tensor& example) {
+            auto r = h.new_locked(numel, example);
+            return std::make_tuple(r.first.code, r.first.message, r.second);  // tensor None: out of memory
+          },
+          py::arg("numel"), py::arg("example"))
       .def("is_locked", &AioHandle::is_locked, py::arg("tensor"));
   m.def(
       "aio_probe",
@@ -130,4 +136,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("path"), py::call_guard<py::gil_scoped_release>());
   m.attr("AIO_INVALID") = aio::kInvalid;
   m.attr("AIO_SHORT") = aio::kShort;
+  m.attr("AIO_CLOSED") = aio::kClosed;
 }

@@ -8,19 +8,25 @@ handle (`AsyncIOBuilder().load().aio_handle`) that needs no libaio and never dea
     h.sync_pread(buf, "/nvme/x.swp")
 
 Blocking calls (sync reads and writes, `wait`, `close`, destruction) release the GIL ([Note: aio
-and the GIL] in csrc/aio.h). Files are opened with O_DIRECT where the filesystem supports it
-(buffer, size and offset must then be aligned: `new_cpu_locked_tensor` buffers and sizes padded to
-`get_alignment()` are), through the page cache otherwise (tmpfs); the choice is logged once per
-filesystem. Bad input raises here, naming file and offset: `ValueError` for a buffer that is not a
-contiguous CPU tensor or is misaligned for O_DIRECT, `AioError` (an `OSError`) for everything the
+and the GIL] in csrc/aio.h). Any contiguous CPU tensor works, at any address, size and file offset
+([Note: aio any buffer]): on a filesystem with O_DIRECT, what is aligned (`new_cpu_locked_tensor`
+buffers, sizes padded to `get_alignment()`) goes straight through O_DIRECT, a misaligned buffer
+address through an aligned bounce buffer, a misaligned offset or the tail of an odd size through
+the page cache, chosen per request; other filesystems (tmpfs) are used through the page cache. The
+mode is logged once per filesystem. New files are created 0600. Bad input raises here, naming file
+and offset: `ValueError` for a buffer that is not a contiguous CPU tensor, a negative offset, a
+closed handle or a bad `new_cpu_locked_tensor` size, `AioError` (an `OSError`) for everything the
 filesystem refuses (missing file or directory, short file, disk full). A failed asynchronous op is
 raised by the `wait()` that completes it, after every pending op has finished.
 
 Differences from DeepSpeed's handle: `wait()` with nothing pending returns 0 (DeepSpeed asserts);
 `single_submit` and `overlap_events` are accepted and reported but change nothing (there is no
 submission queue to batch); `free_cpu_locked_tensor` forgets the buffer, whose memory is freed when
-its last reference dies (DeepSpeed frees it under any remaining reference).
+its last reference dies (DeepSpeed frees it under any remaining reference); on an O_DIRECT filesystem
+DeepSpeed 0.19.8's handle moves only whole blocks at aligned offsets and drops the rest without an
+error, this one moves every byte (tests/test_aio_any_buffer.py).
 """
+import operator
 import os
 
 import torch
@@ -44,7 +50,7 @@ def _log_notice(notice):
 
 def _raise(code, message):
     o = ops()
-    if code == o.AIO_INVALID:
+    if code in (o.AIO_INVALID, o.AIO_CLOSED):
         raise ValueError(message)
     if code == o.AIO_SHORT:
         raise AioError(message)
@@ -166,9 +172,15 @@ class aio_handle:
     def new_cpu_locked_tensor(self, num_elem, example_tensor):
         """A 1-D CPU tensor of `num_elem` elements of `example_tensor`'s dtype, page-aligned (usable for
         O_DIRECT) and page-locked where the memlock limit allows."""
-        t = self._h.new_locked(int(num_elem), example_tensor)
+        n = operator.index(num_elem)
+        if not -(1 << 63) <= n < (1 << 63):
+            raise ValueError(f"aio_handle: new_cpu_locked_tensor({n} elements of {example_tensor.dtype}): the element "
+                             "count does not fit in a 64-bit integer")
+        code, message, t = self._h.new_locked(n, example_tensor)
+        if code:
+            _raise(code, message)
         if t is None:
-            raise MemoryError(f"aio_handle: cannot allocate {num_elem} elements of {example_tensor.dtype}")
+            raise MemoryError(f"aio_handle: cannot allocate {n} elements of {example_tensor.dtype}")
         return t
 
     def free_cpu_locked_tensor(self, tensor):
@@ -180,7 +192,8 @@ class aio_handle:
 
     # -- lifetime ----------------------------------------------------------------------------------
     def close(self):
-        """Waits for pending ops (GIL released) and stops the worker threads; also done on destruction."""
+        """Waits for pending ops (GIL released) and stops the worker threads; also done on destruction.
+        Reads and writes submitted afterwards raise ValueError at once."""
         self._h.close()
 
     def pending(self):

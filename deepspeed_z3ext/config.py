@@ -2,11 +2,17 @@
 
 DeepSpeed ignores unknown top-level keys, so without this a misspelt option would be dropped
 silently. `true` is shorthand for `{"enabled": true}`.
+
+[Note: strict section] The section is a plain pydantic model with strict types and
+`extra="forbid"`, not a `DeepSpeedConfigModel`: that base class drops every `"auto"` value before
+validation (so `"enabled": "auto"` silently became the default, false), takes a `strict` key as its
+own constructor argument (so `"strict": 1` vanished), and validates laxly (`"yes"` -> true,
+`"64"` -> 64). Here each of those is an error naming the key. `"auto"` is refused by name: HF
+Trainer fills `"auto"` only in DeepSpeed keys it knows, so nothing would ever decide a z3ext one.
 """
 from typing import Any, Optional
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 SECTION = "z3ext"
 
@@ -15,26 +21,28 @@ class Z3extConfigError(ValueError):
     """A `z3ext` config problem; the message names the key."""
 
 
-class Z3extConfig(DeepSpeedConfigModel):
-    enabled: bool = False
+class Z3extConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    enabled: StrictBool = False
     """Let z3ext own ZeRO-3 parameter gather and release for this engine."""
 
-    pool_budget_mb: int = Field(1024, ge=0)
+    pool_budget_mb: StrictInt = Field(1024, ge=0)
     """Bytes (in MiB) of released gather buffers kept for reuse; 0 disables reuse."""
 
-    hold_for_backward: bool = True
+    hold_for_backward: StrictBool = True
     """Parameters a module gathered in a grad-enabled forward stay claimed for its backward (no
     re-gather), while the numel so held stays within `stage3_max_live_parameters`."""
 
-    plan_warning_steps: int = Field(0, ge=0)
+    plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many
     forwards; 0 (default) never warns (prefetch just degrades for that forward)."""
 
-    leak_check: bool = False
+    leak_check: StrictBool = False
     """At each optimizer step, raise naming every parameter whose released full tensor is still
     referenced outside z3ext (a leak into the next step), or that is gathered without a claim."""
 
-    compile_fallback: bool = True
+    compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""
 
@@ -46,13 +54,57 @@ def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
     raw: Any = param_dict[SECTION]
     if isinstance(raw, bool):
         raw = {"enabled": raw}
+    if raw == "auto":
+        raise Z3extConfigError(f'"{SECTION}": "auto" is not supported (HF Trainer fills "auto" only in DeepSpeed\'s '
+                               'own keys, so nothing would decide it): write true or false')
     if not isinstance(raw, dict):
         raise Z3extConfigError(f'"{SECTION}" must be true/false or an object, got {type(raw).__name__}: {raw!r}')
+    autos = [k for k, v in raw.items() if isinstance(v, str) and v == "auto"]
+    if autos:
+        raise Z3extConfigError("invalid z3ext config: " + "; ".join(
+            f'"{SECTION}.{k}": "auto" is not supported (HF Trainer fills "auto" only in DeepSpeed\'s own keys, so '
+            "nothing would decide it): write the value" for k in autos))
     try:
-        return Z3extConfig(**raw)
+        return Z3extConfig.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(f'"{SECTION}.{".".join(str(p) for p in err["loc"])}": {err["msg"]}' for err in e.errors())
+        problems = "; ".join(f'"{SECTION}.{".".join(str(p) for p in err["loc"])}": {err["msg"]} (got {err["input"]!r})'
+                             for err in e.errors())
         raise Z3extConfigError(f"invalid z3ext config: {problems}") from None
+
+
+# [Note: stage-3 options] DeepSpeed 0.19.8's stage-3 keys for parameter fetch and what z3ext does
+# with each. Honoured: stage3_prefetch_bucket_size, stage3_max_live_parameters,
+# stage3_param_persistence_threshold, stage3_model_persistence_threshold, leaf_module
+# (z3_leaf_module). DeepSpeed's own code still runs them, so they work unchanged:
+# stage3_gather_16bit_weights_on_model_save (GatheredParameters, gathered.py), offload_param,
+# memory_efficient_linear, override_module_apply, pipeline_loading_checkpoint, and everything of the
+# gradients, optimizer and checkpoints (reduce_bucket_size, overlap_comm, contiguous_gradients,
+# sub_group_size, round_robin_gradients, zero_quantized_gradients, ...; overlap_comm's other use,
+# gathering on a side stream, z3ext always does on CUDA). allgather_partitions/allgather_bucket_size,
+# ignore_unused_parameters, use_multi_rank_bucket_allreduce are stage 1/2 keys. The keys below ask for a
+# fetch behaviour z3ext does not have; they are accepted at DeepSpeed's default (which HF's
+# standard ZeRO-3 config uses: stage3_max_reuse_distance 1e9, the others absent) and refused at any
+# other value, so that no setting is silently ignored. stage3_max_reuse_distance is also accepted at
+# 0 (release right after each module: z3ext then does not hold for backward, main's c73c887) and
+# above the default (keep for reuse: what holding for backward does, within max_live_parameters);
+# only a bound in between, which z3ext does not track, is refused.
+_REFUSED_UNLESS_DEFAULT = (
+    # (DeepSpeedZeroConfig field, config key, values accepted besides the default, what z3ext does instead)
+    ("max_reuse_distance", "stage3_max_reuse_distance", lambda v, default: v == 0 or v >= default,
+     "0 or at least the default: z3ext releases a module's parameters after its forward unless held for "
+     "backward (z3ext.hold_for_backward, bounded by stage3_max_live_parameters), it tracks no reuse distance"),
+    ("allgather_sequential", "stage3_allgather_sequential", None,
+     "z3ext gathers a unit in one coalesced collective"),
+    ("enable_sanity_checks", "enable_sanity_checks", None,
+     "z3ext does not check GatheredParameters blocks for in-place edits without modifier_rank"),
+    ("log_trace_cache_warnings", "log_trace_cache_warnings", None,
+     "use z3ext.plan_warning_steps to log forwards that leave the recorded order"),
+)
+
+
+def _zero_default(field):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return DeepSpeedZeroConfig.model_fields[field].default
 
 
 # Options z3ext cannot honour yet: (where in the config, how to read it, why).
@@ -60,6 +112,12 @@ def unsupported_options(ds_config) -> list:
     """Names the enabled DeepSpeed options z3ext refuses, from a parsed `DeepSpeedConfig`."""
     zc = ds_config.zero_config
     found = []
+
+    for field, key, also_accepted, instead in _REFUSED_UNLESS_DEFAULT:
+        value, default = getattr(zc, field, None), _zero_default(field)
+        if value is None or value == default or (also_accepted is not None and also_accepted(value, default)):
+            continue
+        found.append(f"zero_optimization.{key} = {value!r} (only DeepSpeed's default {default!r}: {instead})")
 
     if getattr(zc, "zero_hpz_partition_size", 1) > 1:
         found.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ)")

@@ -82,13 +82,21 @@ class Z3extState:
 
     def unit_for(self, module):
         """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters."""
-        n_ext = len(module._external_params) if hasattr(module, "_external_params") else 0
+        # [Note: late parameters] A ZeRO parameter created under zero.Init after initialize (set on, or
+        # replacing one of, an existing module) has no handle: it is adopted here and gathered, as stock
+        # gathers whatever ZeRO parameters a module has. The cache is keyed by the module's parameters
+        # (held in the entry, so their ids cannot be reused) to see such a change.
+        own = tuple(module._parameters.values())
+        key = (len(module._external_params) if hasattr(module, "_external_params") else 0, tuple(map(id, own)))
         cached = self._units.get(id(module))
-        if cached is not None and cached[0] == n_ext:
+        if cached is not None and cached[0] == key:
             return cached[1]
-        params = [p for p in iter_params(module, recurse=z3_leaf_module(module)) if self.owns(p)]
-        unit = self.unit_of(params)
-        self._units[id(module)] = (n_ext, unit)
+        params = list(iter_params(module, recurse=z3_leaf_module(module)))
+        for p in params:
+            if hasattr(p, "ds_id") and getattr(p, STATE_ATTR, None) is None:
+                self._adopt(p, next((n for n, q in self.module.named_parameters() if q is p), f"<ds_id {p.ds_id}>"))
+        unit = self.unit_of([p for p in params if self.owns(p)])
+        self._units[id(module)] = (key, unit, own)
         return unit
 
     def discover_external(self, module, param):

@@ -6,9 +6,11 @@
 CPU-only flavour otherwise. Nothing here creates a CUDA context.
 """
 import fcntl
+import hashlib
 import importlib
 import os
 import shutil
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -27,16 +29,34 @@ def _flavour():
     return "cuda" if torch.version.cuda is not None and torch.cuda.is_available() else "cpu"
 
 
+def environment_key():
+    """A short hash of what a JIT build of these ops depends on besides its sources' contents.
+
+    [Note: build cache key] torch names the JIT build folder after the extension only
+    (`$TORCH_EXTENSIONS_DIR/<name>`, by default per Python and CUDA version but not per environment),
+    and its build.ninja records the environment's and the source tree's paths. Two environments (two
+    venvs, two `sys.prefix`) or two checkouts sharing that folder each rewrite build.ninja, so every
+    switch between them rebuilds. The name therefore carries a hash of the interpreter's prefix and
+    executable, the source folder and the torch version: each environment and checkout keeps its own
+    build, nothing is shared between them. The sources' contents are left out on purpose: an edit
+    rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
+    """
+    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
 class Z3extOpBuilder(CUDAOpBuilder):
     BUILD_VAR = "Z3EXT_BUILD_OPS"
     NAME = "deepspeed_z3ext_ops"
 
     def __init__(self, flavour=None):
         self.flavour = flavour or _flavour()
-        super().__init__(name=f"{self.NAME}_{self.flavour}")
+        # The JIT build (module and folder) is keyed by environment ([Note: build cache key]); the
+        # ahead-of-time module keeps the plain name (absolute_name), as it lives inside its environment.
+        super().__init__(name=f"{self.NAME}_{self.flavour}_{environment_key()}")
 
     def absolute_name(self):
-        return f"deepspeed_z3ext.{self.name}"
+        return f"deepspeed_z3ext.{self.NAME}_{self.flavour}"
 
     def sources(self):
         return [str(CSRC / "bindings.cpp")]

@@ -2,26 +2,28 @@
 
 A rank that raises fails the test with its traceback; a rank that hangs is killed at the timeout,
 so a collective mismatch shows up as a named failure, never as a hung CI job.
+
+The ranks meet through a file store in a fresh temporary folder (`init_method="file://..."`), not a
+TCP port: picking a free port and binding it later in the ranks raced with other processes
+(EADDRINUSE), while a new file is unique to this run, so parallel and repeated runs cannot collide.
 """
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
+def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout):
     import faulthandler
     faulthandler.enable()  # a crash prints its Python stack
     faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=False)  # a hang prints its stacks
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    # MASTER_ADDR/PORT stay unset: nothing may rendezvous over TCP behind the file store's back.
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     if backend == "gloo":
         os.environ["DS_ACCELERATOR"] = "cpu"
     try:
@@ -29,7 +31,8 @@ def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         import deepspeed
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"file://{store_file}",
+                                   rank=rank, world_size=world_size)
         result = fn(**kwargs)
         queue.put((rank, True, result))
     except BaseException:
@@ -48,9 +51,10 @@ def _worker(rank, world_size, port, backend, fn, kwargs, queue, timeout):
 def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, **kwargs):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="z3ext-rdzv-")
+    store_file = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, kwargs, queue, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, store_file, backend, fn, kwargs, queue, timeout), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -82,6 +86,7 @@ def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, **kwargs):
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

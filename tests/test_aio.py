@@ -1,6 +1,7 @@
 """z3ext's file I/O op (`deepspeed_z3ext.aio_handle`) on real files: DeepSpeed's handle API, the GIL
 released by every blocking call, O_DIRECT and buffered paths, errors that name file and offset,
-no descriptor leaks, bit-exact data under concurrent load."""
+no descriptor leaks, bit-exact data under concurrent load. Unaligned buffers, sizes and offsets:
+test_aio_any_buffer.py."""
 import os
 import subprocess
 import sys
@@ -161,29 +162,6 @@ def test_modes_chosen_per_filesystem(direct_dir, buffered_dir):
         if direct:
             assert mode["offset_align"] >= 512 and mode["offset_align"] % 512 == 0
     assert io_mode(buffered_dir / "mode.bin")["fs"] in ("tmpfs", "ramfs")
-
-
-def test_alignment_checked_only_for_o_direct(direct_dir, buffered_dir):
-    h = aio_handle()
-    base = _filled(h, 4096 + 1, 2)
-    odd_address = base[1:]  # 4 bytes past a page: misaligned for O_DIRECT
-    odd_size = base[:1000]  # 4000 bytes
-    p = direct_dir / "align.bin"
-    h.sync_pwrite(base[:4096], str(p))
-    with pytest.raises(ValueError, match=r"read of '.*align\.bin' at offset 0: O_DIRECT.*buffer address"):
-        h.sync_pread(odd_address[:4096], str(p))
-    with pytest.raises(ValueError, match=r"write of '.*align\.bin' at offset 0: O_DIRECT.*size 4000 bytes"):
-        h.sync_pwrite(odd_size, str(p))
-    with pytest.raises(ValueError, match=r"at offset 100: O_DIRECT.*file offset"):
-        h.sync_pread(base[:128], str(p), 100)
-    # The same requests are fine through the page cache.
-    q = buffered_dir / "align.bin"
-    h.sync_pwrite(odd_size, str(q), 100)
-    back = torch.empty(1000)
-    h.sync_pread(back, str(q), 100)
-    assert torch.equal(back, odd_size)
-    h.sync_pwrite(odd_address[:4096], str(q))
-    assert torch.equal(torch.frombuffer(bytearray(q.read_bytes()[:4096 * 4]), dtype=torch.float32), odd_address[:4096])
 
 
 # --------------------------------------------------------------------------------------------- errors
