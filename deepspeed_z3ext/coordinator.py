@@ -140,7 +140,7 @@ class Z3extCoordinator:
         order, state = self.plan.order, self.state
         units, owners, taken, numel, i = [], [], [], 0, self._frontier
         while i < len(order):
-            unit = state.unit_for(order[i])
+            unit = state.unit_for(order[i], checked=False)
             n = unit.numel  # a C++ loop over the unit's handles: read once
             if numel + n > room:
                 break
@@ -169,7 +169,7 @@ class Z3extCoordinator:
         early): its Forward claim is dropped or becomes a Backward claim ([Note: graph claims]).
         `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
         self._pop_running(sub_module)
-        unit = self.state.unit_for(sub_module)
+        unit = self.state.unit_for(sub_module)  # checked: an external discovered in this forward joins
         recomputing = in_backward()
         if len(unit):
             if grad_enabled and not raised and any(t.requires_grad for t in outputs):

@@ -80,8 +80,14 @@ class Z3extState:
             handles.append(h)
         return ops().FetchUnit(handles)
 
-    def unit_for(self, module):
-        """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters."""
+    def unit_for(self, module, checked=True):
+        """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters.
+        `checked=False` (the prefetch path, which reads every upcoming unit) trusts the cached unit: the
+        module's own fetch checks it and gathers what a stale prefetch missed."""
+        if not checked:
+            cached = self._units.get(id(module))
+            if cached is not None:
+                return cached[1]
         # [Note: late parameters] A ZeRO parameter created under zero.Init after initialize (set on, or
         # replacing one of, an existing module) has no handle: it is adopted here and gathered, as stock
         # gathers whatever ZeRO parameters a module has. The cache is keyed by the module's parameters
