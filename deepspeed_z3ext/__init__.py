@@ -7,11 +7,11 @@ The first import JIT-builds the ops (cached afterwards). Without a "z3ext" secti
 unchanged.
 """
 from deepspeed_z3ext._ops import ops as _ops
-from deepspeed_z3ext.aio import AioError, aio_handle
+from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.attach import install as _install
-from deepspeed_z3ext.config import Z3extConfig, Z3extConfigError
+from deepspeed_z3ext.config import Z3extConfig
+from deepspeed_z3ext.errors import AioError, ClaimError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
-from deepspeed_z3ext.gathered import ClaimError
 from deepspeed_z3ext.stats import Z3extStats, stats
 
 __version__ = "0.1.0"
@@ -20,5 +20,5 @@ _ops()  # build or load now, so a broken toolchain fails at import with instruct
 ClaimKind = _ops().ClaimKind
 _install()
 
-__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
+__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
            "FallbackStats", "aio_handle", "AioError"]

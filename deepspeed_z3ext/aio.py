@@ -32,14 +32,13 @@ import os
 import torch
 
 from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.errors import AioError
 
 # DeepSpeed's O_DIRECT_ALIGNMENT: get_alignment() is this times intra_op_parallelism, so that
 # every thread's share of a request is aligned.
 _BASE_ALIGNMENT = 512
 
 
-class AioError(OSError):
-    """A read or write the filesystem refused or could not complete; the message names file and offset."""
 
 
 def _log_notice(notice):

@@ -14,28 +14,13 @@
   z3ext engines (fallback.py); DeepSpeed's `ZeROOrderedDict` getter then drives it unchanged.
 Without a `"z3ext"` section every seam falls through to DeepSpeed's own code.
 """
-import json
-import os
-
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
 from deepspeed_z3ext import external, fallback, gathered, swap
-from deepspeed_z3ext.config import SECTION, Z3extConfigError, parse_section, unsupported_options
+from deepspeed_z3ext.config import SECTION, Z3extConfigError, param_dict_of, parse_section, unsupported_options
 
 _installed = False
-
-
-def _param_dict(ds_config):
-    if isinstance(ds_config, DeepSpeedConfig):
-        return ds_config._param_dict
-    if isinstance(ds_config, dict):
-        return ds_config
-    if isinstance(ds_config, (str, os.PathLike)) and os.path.exists(ds_config):
-        import hjson
-        with open(ds_config) as f:
-            return hjson.load(f)
-    return {}
 
 
 def _validate(self):
@@ -55,7 +40,7 @@ def _validate(self):
 def _new(cls, *args, **kwargs):
     if cls is DeepSpeedZeRoOffload:
         ds_config = kwargs.get("ds_config", args[2] if len(args) > 2 else None)
-        cfg = parse_section(_param_dict(ds_config))
+        cfg = parse_section(param_dict_of(ds_config))
         if cfg is not None and cfg.enabled:
             from deepspeed_z3ext.offload import Z3extZeRoOffload
             obj = object.__new__(Z3extZeRoOffload)

@@ -10,15 +10,14 @@ own constructor argument (so `"strict": 1` vanished), and validates laxly (`"yes
 `"64"` -> 64). Here each of those is an error naming the key. `"auto"` is refused by name: HF
 Trainer fills `"auto"` only in DeepSpeed keys it knows, so nothing would ever decide a z3ext one.
 """
+import os
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from deepspeed_z3ext.errors import Z3extConfigError
+
 SECTION = "z3ext"
-
-
-class Z3extConfigError(ValueError):
-    """A `z3ext` config problem; the message names the key."""
 
 
 class Z3extConfig(BaseModel):
@@ -45,6 +44,20 @@ class Z3extConfig(BaseModel):
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""
+
+
+def param_dict_of(ds_config) -> dict:
+    """The raw config dict behind what DeepSpeed passes around: a DeepSpeedConfig, a dict or a path."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    if isinstance(ds_config, DeepSpeedConfig):
+        return ds_config._param_dict
+    if isinstance(ds_config, dict):
+        return ds_config
+    if isinstance(ds_config, (str, os.PathLike)) and os.path.exists(ds_config):
+        import hjson
+        with open(ds_config) as f:
+            return hjson.load(f)
+    return {}
 
 
 def parse_section(param_dict: dict) -> Optional[Z3extConfig]:

@@ -10,11 +10,9 @@ DeepSpeed's own path.
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
+from deepspeed_z3ext.errors import ClaimError
 from deepspeed_z3ext.state import STATE_ATTR
 
-
-class ClaimError(RuntimeError):
-    """A duplicate claim by one owner, or a release without a claim; the message names the parameter."""
 
 # All blocks claim as one owner: overlapping blocks are then a duplicate claim (an error naming the
 # parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.

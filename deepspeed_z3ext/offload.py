@@ -6,7 +6,7 @@ checkpoints; the coordinator behind the hooks and the per-parameter entry points
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
-from deepspeed_z3ext import hooks
+from deepspeed_z3ext import hooks, swap
 from deepspeed_z3ext.coordinator import Z3extCoordinator
 from deepspeed_z3ext.state import Z3extState
 
@@ -23,6 +23,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("post_bwd_fn", None)
         super().__init__(module, timers, ds_config, *args, **kwargs)
         self.z3ext = Z3extState(self.module, z3ext_config)
+        self.z3ext.engine = swap.wrap_engine(self.z3ext.engine, self.z3ext.params)  # [Note: nvme offload]
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
         # and fetch it again for backward: z3ext honours it by not holding for backward.
         hold = z3ext_config.hold_for_backward and self._max_reuse_distance_in_numel > 0

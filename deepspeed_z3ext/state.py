@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext._ops import ops
-from deepspeed_z3ext import entry, swap
+from deepspeed_z3ext import entry
 
 HANDLE_ATTR = "_z3ext_handle"
 STATE_ATTR = "_z3ext_state"
@@ -51,7 +51,6 @@ class Z3extState:
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
             self._adopt(p, names.get(id(p), f"<ds_id {p.ds_id}>"))
-        self.engine = swap.wrap_engine(self.engine, self.params)  # NVMe offload: [Note: nvme offload]
         _LIVE.add(self)
 
     def _adopt(self, param, name):

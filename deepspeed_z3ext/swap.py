@@ -32,6 +32,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
+from deepspeed_z3ext.config import param_dict_of, parse_section
 
 _AVAILABLE = PartitionedParamStatus.AVAILABLE
 _NOT_AVAILABLE = PartitionedParamStatus.NOT_AVAILABLE
@@ -67,10 +68,8 @@ class Z3extParamSwapper(AsyncPartitionedParameterSwapper):
 
 def _new_swapper(cls, *args, **kwargs):
     if cls is AsyncPartitionedParameterSwapper:
-        from deepspeed_z3ext.attach import _param_dict
-        from deepspeed_z3ext.config import parse_section
         ds_config = kwargs.get("ds_config", args[0] if args else None)
-        cfg = parse_section(_param_dict(ds_config))
+        cfg = parse_section(param_dict_of(ds_config))
         if cfg is not None and cfg.enabled:
             return object.__new__(Z3extParamSwapper)
     return object.__new__(cls)

@@ -1,0 +1,18 @@
+"""z3ext's exceptions: one base class, so `except deepspeed_z3ext.Z3extError` catches every error z3ext
+raises on purpose, and each also is the builtin a caller of DeepSpeed's code would catch there."""
+
+
+class Z3extError(Exception):
+    """Base of every error z3ext raises on purpose; the message names the key, parameter or file."""
+
+
+class Z3extConfigError(Z3extError, ValueError):
+    """A `z3ext` config problem; the message names the key."""
+
+
+class ClaimError(Z3extError, RuntimeError):
+    """A duplicate claim by one owner, or a release without a claim; the message names the parameter."""
+
+
+class AioError(Z3extError, OSError):
+    """A read or write the filesystem refused or could not complete; the message names file and offset."""
