@@ -166,3 +166,23 @@ def unsupported_options(ds_config) -> list:
             found.append("compile.deepcompile with parameters and optimizer offloaded to CPU "
                          "(DeepCompile turns on its offload_parameters pass)")
     return found
+
+
+def sanity_check(stock_check):
+    """`DeepSpeedConfig._do_sanity_check` (seams.py): DeepSpeed's checks, then the `"z3ext"` section's,
+    so a bad key, ZeRO stage != 3 or a refused option fails `deepspeed.initialize` by name."""
+
+    def _do_sanity_check(self):
+        stock_check(self)
+        cfg = parse_section(self._param_dict)
+        self.z3ext_config = cfg
+        if cfg is None or not cfg.enabled:
+            return
+        if self.zero_optimization_stage != 3:
+            raise Z3extConfigError(f'"{SECTION}" needs zero_optimization.stage 3, got stage '
+                                   f"{self.zero_optimization_stage}")
+        refused = unsupported_options(self)
+        if refused:
+            raise Z3extConfigError(f'"{SECTION}" does not support yet: ' + "; ".join(refused))
+
+    return _do_sanity_check

@@ -7,9 +7,9 @@ parameters form one fetch unit: one C++ call claims and gathers it, one call rel
 from collections import deque
 
 import torch
-from deepspeed.runtime.zero import parameter_offload
 from deepspeed.utils import logger
 
+from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.graphs import BackwardClaims, claim_per_call, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
@@ -246,7 +246,7 @@ class Z3extCoordinator:
 def _clean_module_stack():
     """DeepSpeed's forward module stack is process-global; a module whose forward raised never
     popped itself. Between outermost forwards it must hold only engine roots (ds_id 0), once each."""
-    stack, seen, clean = parameter_offload.FWD_MODULE_STACK, set(), []
+    stack, seen, clean = private.forward_module_stack(), set(), []
     for m in stack:
         if getattr(m, "ds_id", None) == 0 and id(m) not in seen:
             seen.add(id(m))

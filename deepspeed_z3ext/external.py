@@ -15,28 +15,32 @@ over (its eager fallback, fallback.py, is driven from DeepSpeed's getter) DeepSp
 from collections import OrderedDict
 
 import torch
-from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 
 from deepspeed_z3ext.state import STATE_ATTR
 
-_stock_getitem = ZeROOrderedDict.__getitem__
 _dict_getitem = OrderedDict.__getitem__
 
 
-def _getitem(self, key):
-    if torch.compiler.is_compiling():  # Dynamo traces DeepSpeed's getter, which it knows
-        return _stock_getitem(self, key)
-    param = _dict_getitem(self, key)
-    state = getattr(param, STATE_ATTR, None) if param is not None else None
-    if state is None or state.coordinator is None or state.compiled:
-        return _stock_getitem(self, key)
-    running = state.coordinator.running_module()
-    if running is None:
-        return _stock_getitem(self, key)
-    if self._parent_module is not running:
-        discover(state, running, param)
-    return param
+def getitem(stock_getitem):
+    """`ZeROOrderedDict.__getitem__` (seams.py): registers every access inside a z3ext module's
+    forward ([Note: external discovery]); DeepSpeed's getter for everything else."""
+
+    def __getitem__(self, key):
+        if torch.compiler.is_compiling():  # Dynamo traces DeepSpeed's getter, which it knows
+            return stock_getitem(self, key)
+        param = _dict_getitem(self, key)
+        state = getattr(param, STATE_ATTR, None) if param is not None else None
+        if state is None or state.coordinator is None or state.compiled:
+            return stock_getitem(self, key)
+        running = state.coordinator.running_module()
+        if running is None:
+            return stock_getitem(self, key)
+        if self._parent_module is not running:
+            discover(state, running, param)
+        return param
+
+    return __getitem__
 
 
 def discover(state, module, param):
@@ -49,11 +53,3 @@ def discover(state, module, param):
     elif param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
         return  # registered before this fetch (so in the unit) or already gathered for it
     state.discover_external(module, param)
-
-
-def install():
-    ZeROOrderedDict.__getitem__ = _getitem
-
-
-def uninstall():
-    ZeROOrderedDict.__getitem__ = _stock_getitem

@@ -5,7 +5,7 @@ parameters with their own ops and DeepSpeed's module hooks are removed. A frame 
 `torch.compiler.disable`d submodule, a graph break) runs eagerly with nothing gathering for it.
 DeepSpeed's seam for that case is its eager fallback: inside `engine.forward` the `ZeROOrderedDict`
 getter asks the engine's fallback object what to do with each parameter it hands out. For a z3ext
-engine that object is this one (dispatched at its construction, see `install`), and it answers with
+engine that object is this one (dispatched at its construction, `new_fallback`), and it answers with
 claims on the engine's GatherEngine.
 
 [Note: eager fallback claims]
@@ -62,14 +62,10 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from deepspeed.compile import util as dc_util
-from deepspeed.compile import z3_eager_fallback as ds_fallback
-from deepspeed.compile.z3_eager_fallback import DeepCompileZ3EagerFallback
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 
-from deepspeed_z3ext.state import STATE_ATTR
-
-_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext.state import STATE_ATTR, of_engine, offload_of
 
 
 class _SharedSettings:
@@ -172,16 +168,16 @@ class Z3extEagerFallback:
         if not self.enabled or self._closed or self._state() is None:
             yield
             return
-        previous = ds_fallback._ACTIVE_FALLBACK
+        previous = private.active_fallback()
         self._depth += 1
         outermost = self._depth == 1
         try:
             if outermost:
                 self._begin_forward()
-            ds_fallback._ACTIVE_FALLBACK = self
+            private.set_active_fallback(self)
             yield
         finally:
-            ds_fallback._ACTIVE_FALLBACK = previous
+            private.set_active_fallback(previous)
             self._depth -= 1
             if outermost:
                 self._set_in_forward(False)
@@ -313,7 +309,7 @@ class Z3extEagerFallback:
     def _reduce_grads(self, params):
         engine = self._engine()
         optimizer = getattr(engine, "optimizer", None) if engine is not None else None
-        partitions = getattr(optimizer, _GRAD_PARTITIONS, None)
+        partitions = private.grad_partitions(optimizer)
         # Full gradients only: a parameter that a compiled graph also used gets its (empty) gradient
         # from DeepCompile, which reduces that part itself.
         params = [p for p in params if p.requires_grad and p.grad is not None and p.grad.numel() == p.ds_numel]
@@ -347,15 +343,14 @@ class Z3extEagerFallback:
             return
         self.release_gathered_params()
         self._closed = True
-        hooks = dc_util.post_backward_hooks
-        hooks[:] = [h for h in hooks if getattr(h, "__self__", None) is not self]
+        pre_hooks, post_hooks = private.backward_hook_lists()
+        post_hooks[:] = [h for h in post_hooks if getattr(h, "__self__", None) is not self]
         engine = self._engine()
         optimizer = getattr(engine, "optimizer", None) if engine is not None else None
         if optimizer is not None:
-            hooks = dc_util.pre_backward_hooks
-            hooks[:] = [h for h in hooks if not _holds(h, optimizer)]
-        if ds_fallback._ACTIVE_FALLBACK is self:
-            ds_fallback._ACTIVE_FALLBACK = None
+            pre_hooks[:] = [h for h in pre_hooks if not _holds(h, optimizer)]
+        if private.active_fallback() is self:
+            private.set_active_fallback(None)
         _SharedSettings.release(self)
 
     def stats(self) -> FallbackStats:
@@ -380,29 +375,13 @@ def fallback_of(engine) -> Optional[Z3extEagerFallback]:
     return fb if isinstance(fb, Z3extEagerFallback) else None
 
 
-def _z3ext_state(engine):
-    if engine is None:
+def new_fallback(engine) -> Optional[Z3extEagerFallback]:
+    """What `DeepCompileZ3EagerFallback(engine)` (DeepCompile's init_z3) builds for a z3ext engine (the
+    seams.py dispatch); None for any other engine, which gets DeepSpeed's own class."""
+    state = of_engine(engine)
+    if state is None:
         return None
-    opt = getattr(engine, "optimizer", None)
-    offload = getattr(opt, "parameter_offload", opt)
-    return getattr(offload, "z3ext", None)
-
-
-def _new(cls, *args, **kwargs):
-    if cls is DeepCompileZ3EagerFallback:
-        engine = kwargs.get("engine", args[0] if args else None)
-        state = _z3ext_state(engine)
-        if state is not None:
-            fb = Z3extEagerFallback(engine, state, enabled=state.config.compile_fallback)
-            opt = getattr(engine, "optimizer", None)
-            offload = getattr(opt, "parameter_offload", opt)
-            offload.z3ext_fallback = fb  # closed by Z3extZeRoOffload.destroy
-            state.compiled = True  # module hooks are gone: the getter is DeepSpeed's ([Note: external discovery])
-            return fb  # not an instance of cls: Python does not call DeepSpeed's __init__ on it
-    return object.__new__(cls)
-
-
-def install():
-    """`DeepCompileZ3EagerFallback(engine)` (DeepCompile's init_z3) builds a z3ext fallback for z3ext
-    engines; for any other engine DeepSpeed's own class, unchanged."""
-    DeepCompileZ3EagerFallback.__new__ = _new
+    fb = Z3extEagerFallback(engine, state, enabled=state.config.compile_fallback)
+    offload_of(engine).z3ext_fallback = fb  # closed by Z3extZeRoOffload.destroy
+    state.compiled = True  # module hooks are gone: the getter is DeepSpeed's ([Note: external discovery])
+    return fb

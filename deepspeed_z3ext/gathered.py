@@ -8,25 +8,20 @@ into every rank's partition before the claim is dropped. Parameters of no z3ext 
 DeepSpeed's own path.
 """
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
 from deepspeed_z3ext.errors import ClaimError
-from deepspeed_z3ext.state import STATE_ATTR
+from deepspeed_z3ext.state import of_param
 
 
 # All blocks claim as one owner: overlapping blocks are then a duplicate claim (an error naming the
 # parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
 GATHERED_OWNER = 0
 
-_stock_enter = GatheredParameters.__enter__
-_stock_exit = GatheredParameters.__exit__
-
-
 def _split(ctx):
     """(z3ext state, its params) when the block's parameters all belong to one z3ext engine."""
     if not ctx.enabled:
         return None, None
-    states = {id(getattr(p, STATE_ATTR, None)): getattr(p, STATE_ATTR, None) for p in ctx.params}
+    states = {id(of_param(p)): of_param(p) for p in ctx.params}
     if len(states) != 1 or None in states.values():
         if any(s is not None for s in states.values()):
             raise RuntimeError("z3ext: a GatheredParameters block mixes parameters of different engines (or of "
@@ -35,10 +30,30 @@ def _split(ctx):
     return next(iter(states.values())), ctx.params
 
 
-def _enter(self):
-    state, params = _split(self)
-    if state is None:
-        return _stock_enter(self)
+def enter(stock_enter):
+    """`GatheredParameters.__enter__` (seams.py): a Gathered claim for z3ext parameters."""
+
+    def __enter__(self):
+        state, params = _split(self)
+        if state is None:
+            return stock_enter(self)
+        _enter(self, state, params)
+
+    return __enter__
+
+
+def exit(stock_exit):
+    """`GatheredParameters.__exit__` (seams.py): write back (modifier_rank) and drop the claim."""
+
+    def __exit__(self, *exc):
+        if getattr(self, "_z3ext_state", None) is None:
+            return stock_exit(self, *exc)
+        _exit(self)
+
+    return __exit__
+
+
+def _enter(self, state, params):
     from deepspeed_z3ext._ops import ops
     unit = state.unit_of(params)
     gathered_kind = ops().ClaimKind.GATHERED
@@ -49,10 +64,8 @@ def _enter(self):
     state.engine.unshard(unit, gathered_kind, GATHERED_OWNER)
 
 
-def _exit(self, *exc):
-    state = getattr(self, "_z3ext_state", None)
-    if state is None:
-        return _stock_exit(self, *exc)
+def _exit(self):
+    state = self._z3ext_state
     from deepspeed_z3ext._ops import ops
     try:
         if self.src_rank is not None:
@@ -70,8 +83,3 @@ def _exit(self, *exc):
         if problem:
             raise ClaimError(problem)
         state.engine.reshard(self._z3ext_unit, gathered_kind, GATHERED_OWNER)
-
-
-def install():
-    GatheredParameters.__enter__ = _enter
-    GatheredParameters.__exit__ = _exit

@@ -20,19 +20,19 @@ start-of-forward hook (`reset_step`).
 import sys
 
 import torch
-from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.graphs import tensors_in as _tensors
-from deepspeed_z3ext.state import STATE_ATTR
+from deepspeed_z3ext.state import of_param
 
 
 def _dangling(module, params):
     """A module that returns one of its parameters (e.g. an embedding's weight for a tied head): the
     parameter is registered to the enclosing module, which uses it, as DeepSpeed's hook does."""
-    stack = parameter_offload.FWD_MODULE_STACK
+    stack = private.forward_module_stack()
     for param in params:
         if not stack:
             return
@@ -41,7 +41,7 @@ def _dangling(module, params):
             register_external_parameter(stack[-1], param)
             if id(param) in module._external_params:
                 unregister_external_parameter(module, param)
-            state = getattr(param, STATE_ATTR, None)
+            state = of_param(param)
             if state is not None:
                 # Claimed for the enclosing module's forward: a direct gather would end with the
                 # release of `module`, which comes next, before the enclosing module uses it.
@@ -104,7 +104,7 @@ def register(offload, module):
         offload.forward_hooks.append(m.register_forward_pre_hook(_pre_forward))
         offload.forward_hooks.append(m.register_forward_hook(_post_forward, always_call=True))
 
-    stack = parameter_offload.FWD_MODULE_STACK
+    stack = private.forward_module_stack()
 
     @torch.compiler.disable
     def _pre_forward(m, args):

@@ -7,14 +7,27 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
 from deepspeed_z3ext import hooks, swap
+from deepspeed_z3ext.config import param_dict_of, parse_section
 from deepspeed_z3ext.coordinator import Z3extCoordinator
 from deepspeed_z3ext.state import Z3extState
+
+
+def new_offload(ds_config):
+    """What `DeepSpeedZeRoOffload(..., ds_config, ...)` builds when the config enables z3ext (the
+    seams.py dispatch: DeepSpeed builds it in the stage-3 optimizer and, without a client optimizer,
+    in the engine; its __init__ then runs on this object). None: DeepSpeed's own class."""
+    cfg = parse_section(param_dict_of(ds_config))
+    if cfg is None or not cfg.enabled:
+        return None
+    obj = object.__new__(Z3extZeRoOffload)
+    obj._z3ext_pending_config = cfg
+    return obj
 
 
 class Z3extZeRoOffload(DeepSpeedZeRoOffload):
 
     def __init__(self, module, timers, ds_config, *args, **kwargs):
-        # Set by the dispatching __new__ (attach.py), which parsed the "z3ext" section.
+        # Set by new_offload, which parsed the "z3ext" section.
         z3ext_config = self.__dict__.pop("_z3ext_pending_config")
         # DeepSpeed creates a module's backward-hook Functions only if absent, bound to the engine that
         # made them: drop any left by an earlier engine so backward routes to this one.

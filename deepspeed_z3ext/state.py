@@ -3,10 +3,11 @@
 [Note: per-engine state] The C++ GatherEngine (handles, claims, pool, gather stream) is created per
 engine; parameters point at their handle through `param._z3ext_handle`, so re-wrapping a model with a
 new engine re-points them and the old engine's state is unreachable from the model. Nothing is
-process-global except the class-level seams installed once at import (see attach.py).
+process-global except the class-level seams installed at import (seams.py).
 """
 import atexit
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as tdist
@@ -32,6 +33,30 @@ def _teardown_at_exit():
         state.destroy()
 
 
+def live_states() -> list:
+    """The states of z3ext engines not destroyed yet (unreachable ones collected first)."""
+    import gc
+    gc.collect()
+    return list(_LIVE)
+
+
+def offload_of(engine):
+    """The DeepSpeedZeRoOffload of a DeepSpeedEngine (or of its stage-3 optimizer, or itself)."""
+    opt = getattr(engine, "optimizer", engine)
+    return getattr(opt, "parameter_offload", opt)
+
+
+def of_engine(engine) -> "Optional[Z3extState]":
+    """The z3ext state of a DeepSpeedEngine (or of its optimizer / DeepSpeedZeRoOffload); None when
+    z3ext is not enabled for it."""
+    return getattr(offload_of(engine), "z3ext", None) if engine is not None else None
+
+
+def of_param(param) -> "Optional[Z3extState]":
+    """The z3ext state that owns a ZeRO-3 parameter; None for a parameter of no z3ext engine."""
+    return getattr(param, STATE_ATTR, None)
+
+
 def _group_of(param):
     group = getattr(param, "ds_process_group", None)
     return group if group is not None else tdist.group.WORLD
@@ -55,7 +80,7 @@ class Z3extState:
 
     def _adopt(self, param, name):
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            # Gathered by stock code before attach (e.g. GatheredParameters at load time).
+            # Gathered by stock code before z3ext took over (e.g. GatheredParameters at load time).
             param.partition()
         group = _group_of(param)
         handle = self.engine.make_handle(param, name, param.ds_id, param.ds_numel, param.ds_tensor.ds_numel,

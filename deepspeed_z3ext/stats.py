@@ -17,9 +17,8 @@ class Z3extStats(NamedTuple):
 
 def state_of(engine):
     """The Z3extState of a DeepSpeedEngine (or of its optimizer / DeepSpeedZeRoOffload)."""
-    opt = getattr(engine, "optimizer", engine)
-    offload = getattr(opt, "parameter_offload", opt)
-    state = getattr(offload, "z3ext", None)
+    from deepspeed_z3ext.state import of_engine
+    state = of_engine(engine)
     if state is None:
         raise ValueError("z3ext is not enabled for this engine: add \"z3ext\": true to its DeepSpeed config "
                          "(with zero_optimization.stage 3) and import deepspeed_z3ext before deepspeed.initialize")

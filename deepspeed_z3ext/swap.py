@@ -7,7 +7,7 @@ stage-3 optimizer reads partitions in to build its fp32 master copy and writes t
 partitions back after each step. z3ext adds:
 - the swapper's handles are z3ext's `aio_handle` (no libaio, no GIL held while blocked): a swapper
   built for a config with z3ext enabled is a `Z3extParamSwapper` (dispatched at construction, as
-  attach.py does for DeepSpeedZeRoOffload);
+  seams.py does for DeepSpeedZeRoOffload);
 - z3ext's gathers (GatherEngine.unshard, which reads `param.ds_tensor` in C++) get their partitions
   read in first: `NvmeGatherEngine` wraps the engine, reads in every partitioned parameter of a unit
   whose partition is on NVMe, gathers, and gives the swap buffers straight back (the file holds the
@@ -25,11 +25,11 @@ partitions back after each step. z3ext adds:
 import types
 
 import torch
-from deepspeed.runtime.swap_tensor import partitioned_param_swapper as _pps
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
                                                                       PartitionedParamStatus)
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
+from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import param_dict_of, parse_section
@@ -58,21 +58,17 @@ class Z3extParamSwapper(AsyncPartitionedParameterSwapper):
         # [Note: swapper handle] DeepSpeed's _configure_aio names its handle factory through the
         # module global AsyncIOBuilder; it is rebound for the duration of this call only (construction
         # is single-threaded), so everything else the swapper sets up stays DeepSpeed's own code.
-        saved = _pps.AsyncIOBuilder
-        _pps.AsyncIOBuilder = _Z3extIOBuilder
-        try:
+        with private.swapper_io_builder(_Z3extIOBuilder):
             super()._configure_aio(ds_config)
-        finally:
-            _pps.AsyncIOBuilder = saved
 
 
-def _new_swapper(cls, *args, **kwargs):
-    if cls is AsyncPartitionedParameterSwapper:
-        ds_config = kwargs.get("ds_config", args[0] if args else None)
-        cfg = parse_section(param_dict_of(ds_config))
-        if cfg is not None and cfg.enabled:
-            return object.__new__(Z3extParamSwapper)
-    return object.__new__(cls)
+def new_swapper(ds_config):
+    """What `AsyncPartitionedParameterSwapper(ds_config, ...)` builds when the config enables z3ext (the
+    seams.py dispatch; DeepSpeed's __init__ then runs on it); None: DeepSpeed's own class."""
+    cfg = parse_section(param_dict_of(ds_config))
+    if cfg is not None and cfg.enabled:
+        return object.__new__(Z3extParamSwapper)
+    return None
 
 
 # [Note: nvme checkpoint load] DeepSpeed 0.19.8's stage-3 `_rigid_load_state_dict` copies each
@@ -82,16 +78,26 @@ def _new_swapper(cls, *args, **kwargs):
 # load (so optimizer state, loss scaler etc. stay DeepSpeed's code); afterwards their NVMe partitions
 # are written from the restored fp32 values to their swap files, exactly as after an optimizer step,
 # and pointed away from the temporary buffer.
-def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
-    flats = getattr(self, "fp16_partitioned_groups_flat", None) or []
-    holes = [i for i, f in enumerate(flats) if f is None]
-    if not holes or not hasattr(getattr(self, "parameter_offload", None), "z3ext"):
-        return _stock_rigid_load(self, state_dict, load_optimizer_states)
+def rigid_load_state_dict(stock_load):
+    """`DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict` (seams.py), see [Note: nvme checkpoint load]."""
+
+    def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
+        flats = getattr(self, "fp16_partitioned_groups_flat", None) or []
+        holes = [i for i, f in enumerate(flats) if f is None]
+        if not holes or not hasattr(getattr(self, "parameter_offload", None), "z3ext"):
+            return stock_load(self, state_dict, load_optimizer_states)
+        _load_with_nvme_holes(self, holes, stock_load, state_dict, load_optimizer_states)
+
+    return _rigid_load_state_dict
+
+
+def _load_with_nvme_holes(self, holes, stock_load, state_dict, load_optimizer_states):
+    flats = self.fp16_partitioned_groups_flat
     for i in holes:
         fp32 = self.fp32_partitioned_groups_flat[i]
         flats[i] = torch.empty(fp32.numel(), dtype=self.fp16_groups[i][0].ds_tensor.dtype, device=fp32.device)
     try:
-        _stock_rigid_load(self, state_dict, load_optimizer_states)
+        stock_load(self, state_dict, load_optimizer_states)
     finally:
         for i in holes:
             flats[i] = None
@@ -101,18 +107,6 @@ def _rigid_load_state_dict(self, state_dict, load_optimizer_states=True):
             p.ds_tensor.data = p.nvme_swapper.invalid_buffer.data
             p.ds_tensor.status = _NOT_AVAILABLE
         self._partitioned_params_swap_out(i)
-
-
-_stock_rigid_load = None
-
-
-def install():
-    global _stock_rigid_load
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    AsyncPartitionedParameterSwapper.__new__ = _new_swapper
-    if _stock_rigid_load is None:
-        _stock_rigid_load = DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict
-        DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict = _rigid_load_state_dict
 
 
 # ------------------------------------------------------------------------------- the gather engine

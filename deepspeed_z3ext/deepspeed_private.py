@@ -1,0 +1,67 @@
+"""DeepSpeed internals that z3ext reads or writes, in one place ([Note: deepspeed internals]).
+
+[Note: deepspeed internals] Public DeepSpeed API does not reach everything z3ext must touch: the
+forward module stack (a module global of parameter_offload), DeepCompile's active eager fallback and
+its process-global backward hook lists, the stage-3 optimizer's gradient partitions (a
+name-mangled private), and the swapper's I/O handle factory (a module global). Each is read here by name, so a DeepSpeed upgrade that moves one breaks one
+function, which says what it looked for. The classes z3ext replaces attributes of are seams.py's.
+Tested with the DeepSpeed versions in TESTED_VERSIONS; another version warns once at import.
+"""
+import contextlib
+
+import deepspeed
+from deepspeed.runtime.zero import parameter_offload
+
+TESTED_VERSIONS = ("0.19.8", )
+
+# DeepSpeedZeroOptimizer_Stage3.__param_id_to_grad_partition: ds_id -> this rank's gradient partition.
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def check_version():
+    """Warns (once, at import) when DeepSpeed is not a version these accessors were tested with."""
+    if deepspeed.__version__ not in TESTED_VERSIONS:
+        from deepspeed.utils import logger
+        logger.warning(f"deepspeed_z3ext is tested with DeepSpeed {', '.join(TESTED_VERSIONS)}; this is "
+                       f"{deepspeed.__version__}: its internals in deepspeed_z3ext/deepspeed_private.py may differ")
+
+
+def forward_module_stack() -> list:
+    """DeepSpeed's process-global stack of modules inside their forward (external-parameter tracking)."""
+    return parameter_offload.FWD_MODULE_STACK
+
+
+def grad_partitions(optimizer):
+    """The stage-3 optimizer's ds_id -> gradient partition map, or None (no such optimizer)."""
+    return getattr(optimizer, _GRAD_PARTITIONS, None)
+
+
+def active_fallback():
+    """DeepCompile's module-global eager fallback of the running engine.forward (None outside)."""
+    from deepspeed.compile import z3_eager_fallback
+    return z3_eager_fallback._ACTIVE_FALLBACK
+
+
+def set_active_fallback(fallback):
+    from deepspeed.compile import z3_eager_fallback
+    z3_eager_fallback._ACTIVE_FALLBACK = fallback
+
+
+def backward_hook_lists():
+    """DeepCompile's process-global (pre-backward, post-backward) hook lists, edited in place."""
+    from deepspeed.compile import util
+    return util.pre_backward_hooks, util.post_backward_hooks
+
+
+@contextlib.contextmanager
+def swapper_io_builder(builder):
+    """The partitioned-parameter swapper names its I/O handle factory through its module global
+    AsyncIOBuilder: rebound to `builder` for the duration of one `_configure_aio` call only
+    (construction is single-threaded), so everything else the swapper sets up stays DeepSpeed's."""
+    from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
+    saved = pps.AsyncIOBuilder
+    pps.AsyncIOBuilder = builder
+    try:
+        yield
+    finally:
+        pps.AsyncIOBuilder = saved

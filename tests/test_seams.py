@@ -1,0 +1,180 @@
+"""One seam layer ([Note: seams] in seams.py): z3ext changes DeepSpeed's classes only there, and can be
+uninstalled in a process. On 2 real gloo ranks: a stock engine trained before z3ext is imported, a
+z3ext engine, then after `deepspeed_z3ext.uninstall()` every replaced attribute is DeepSpeed's own
+object again (an inherited `__new__`: `seams.plain_new`, which constructs as object's did) and an
+engine built from a config that still says `"z3ext": true` is a stock engine training bitwise like
+the first; `install()` brings z3ext back. Plus a static check that no other module assigns to an
+attribute of a DeepSpeed object."""
+import ast
+import pathlib
+
+from tests.harness import run_on_ranks
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "deepspeed_z3ext"
+SEAMS = [  # (module, class, attribute): what seams.py replaces
+    ("deepspeed.runtime.config", "DeepSpeedConfig", "_do_sanity_check"),
+    ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "__new__"),
+    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__enter__"),
+    ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__exit__"),
+    ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__getitem__"),
+    ("deepspeed.compile.z3_eager_fallback", "DeepCompileZ3EagerFallback", "__new__"),
+    ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper", "__new__"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_rigid_load_state_dict"),
+]
+HIDDEN = 16
+
+
+def _classes():
+    import importlib
+    return [(getattr(importlib.import_module(m), c), a) for m, c, a in SEAMS]
+
+
+def _snapshot():
+    absent = object()
+    return [(cls, attr, cls.__dict__.get(attr, absent)) for cls, attr in _classes()], absent
+
+
+def _model():
+    import torch
+    import torch.nn as nn
+
+    class Layer(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.3)
+            self.bias = nn.Parameter(torch.zeros(HIDDEN))
+
+        def forward(self, x):
+            return torch.tanh(torch.addmm(self.bias, x, self.weight))  # addmm saves the weight itself
+
+    return nn.Sequential(Layer(), Layer(), Layer())
+
+
+def _train(z3ext, steps=3):
+    """(losses, final full parameters, whether the engine is a z3ext engine) of a fresh engine."""
+    import torch
+    import deepspeed
+    import torch.distributed as dist
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if z3ext:
+        cfg["z3ext"] = True
+    torch.manual_seed(7)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        loss = engine(torch.randn(2, HIDDEN, generator=g)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = [p.detach().clone() for p in engine.module.parameters()]
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    return losses, params, hasattr(offload, "z3ext"), engine
+
+
+def install_uninstall():
+    import torch
+    before, absent = _snapshot()
+    stock_losses, stock_params, is_z3ext, engine = _train(z3ext=True)  # z3ext not imported: DeepSpeed ignores the key
+    assert not is_z3ext
+    engine.destroy()
+
+    import deepspeed_z3ext
+    out = {"installed": len(deepspeed_z3ext.installed())}
+    replaced = [f"{cls.__name__}.{attr}" for cls, attr, own in before if cls.__dict__.get(attr, absent) is own]
+    out["not_replaced"] = replaced
+    z_losses, z_params, is_z3ext, engine = _train(z3ext=True)
+    out["z3ext_engine"] = is_z3ext
+    try:
+        deepspeed_z3ext.uninstall()
+        out["refused_while_alive"] = None
+    except deepspeed_z3ext.Z3extError as e:
+        out["refused_while_alive"] = str(e)
+    engine.destroy()
+    del engine
+
+    deepspeed_z3ext.uninstall()
+    out["installed_after"] = len(deepspeed_z3ext.installed())
+    from deepspeed_z3ext.seams import plain_new
+    out["restored"] = [f"{cls.__name__}.{attr}" for cls, attr, own in before
+                       if cls.__dict__.get(attr, absent) is own or (attr == "__new__" and own is absent and
+                                                                    cls.__dict__.get(attr) is plain_new)]
+    u_losses, u_params, is_z3ext, engine = _train(z3ext=True)
+    out["engine_after_uninstall_is_z3ext"] = is_z3ext
+    out["stock_equal_after_uninstall"] = (all(torch.equal(a, b) for a, b in zip(stock_losses, u_losses)) and
+                                          all(torch.equal(a, b) for a, b in zip(stock_params, u_params)))
+    engine.destroy()
+
+    deepspeed_z3ext.install()
+    r_losses, r_params, is_z3ext, engine = _train(z3ext=True)
+    out["z3ext_again"] = is_z3ext
+    out["z3ext_equal_after_reinstall"] = (all(torch.equal(a, b) for a, b in zip(z_losses, r_losses)) and
+                                          all(torch.equal(a, b) for a, b in zip(z_params, r_params)))
+    out["z3ext_equal_to_stock"] = (all(torch.equal(a, b) for a, b in zip(stock_losses, z_losses)) and
+                                   all(torch.equal(a, b) for a, b in zip(stock_params, z_params)))
+    engine.destroy()
+    return out
+
+
+def test_uninstall_gives_deepspeed_back_and_install_returns():
+    for rank, r in enumerate(run_on_ranks(install_uninstall)):
+        assert r["installed"] == len(SEAMS), r
+        assert r["not_replaced"] == [], f"rank {rank}: seams not replaced at import: {r['not_replaced']}"
+        assert r["z3ext_engine"], r
+        assert r["refused_while_alive"] and "engine.destroy()" in r["refused_while_alive"], r
+        assert r["installed_after"] == 0, r
+        assert len(r["restored"]) == len(SEAMS), f"rank {rank}: restored only {r['restored']}"
+        assert not r["engine_after_uninstall_is_z3ext"], r
+        assert r["stock_equal_after_uninstall"], f"rank {rank}: a stock engine after uninstall trains differently"
+        assert r["z3ext_again"] and r["z3ext_equal_after_reinstall"], r
+        assert r["z3ext_equal_to_stock"], r
+
+
+def _deepspeed_names(tree):
+    """Names bound by `import deepspeed...` / `from deepspeed... import X` in a module."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "deepspeed":
+            names.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "deepspeed")
+    return names
+
+
+def _assignments_to_deepspeed(path):
+    tree = ast.parse(path.read_text())
+    ds = _deepspeed_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        for t in targets:
+            base = t
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in ds:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Name) and arg.id in ds:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_seam_layer_assigns_to_deepspeed():
+    # The checker itself finds the kind of patch it looks for.
+    sample = PACKAGE.parent / "tests" / "_seam_sample.py"
+    try:
+        sample.write_text("from deepspeed.runtime.config import DeepSpeedConfig\nDeepSpeedConfig._do_sanity_check = None\n"
+                          "from deepspeed.runtime.zero import parameter_offload as po\npo.FWD_MODULE_STACK = []\n")
+        assert len(_assignments_to_deepspeed(sample)) == 2
+    finally:
+        sample.unlink()
+    allowed = {"seams.py", "deepspeed_private.py"}
+    found = [f for p in sorted(PACKAGE.glob("*.py")) if p.name not in allowed for f in _assignments_to_deepspeed(p)]
+    assert found == [], "DeepSpeed patched outside seams.py / deepspeed_private.py: " + "; ".join(found)
