@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("FALLBACK", ClaimKind::Fallback)
       .value("PERSIST", ClaimKind::Persist)
       .value("DIRECT", ClaimKind::Direct);
+  m.attr("SHARED_OWNER") = kSharedOwner;
+  m.attr("TOKEN_BASE") = kTokenBase;
 
   py::enum_<ParamState>(m, "ParamState")
       .value("PARTITIONED", ParamState::Partitioned)

@@ -31,6 +31,17 @@ inline const char* claim_kind_name(ClaimKind k) {
   return "?";
 }
 
+// [Note: claim owners] An owner is an int64 whose meaning depends on the kind; defined here and in
+// deepspeed_z3ext/claims.py, nowhere else:
+// - Forward: the ds_id of the module whose forward runs (prefetched units: the module they are for);
+// - Backward: a token >= kTokenBase, one per autograd graph or per module call (graphs.py);
+// - Fallback: the id of a DeepCompile forward graph (fallback.py), its own kind, so ids never collide;
+// - Gathered, Direct, Persist: kSharedOwner. All GatheredParameters blocks share it, so overlapping
+//   blocks are a duplicate claim (an error, as stock forbids them); a direct all_gather() is ended by
+//   the next partition() or module release, whoever gathered it; persistence is one claim.
+constexpr int64_t kSharedOwner = 0;
+constexpr int64_t kTokenBase = int64_t(1) << 40;  // above any module ds_id
+
 struct Claim {
   ClaimKind kind;
   int64_t owner;

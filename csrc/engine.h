@@ -20,7 +20,7 @@ struct EngineStats {
 
 class GatherEngine {
  public:
-  static constexpr Claim kPersist{ClaimKind::Persist, 0};
+  static constexpr Claim kPersist{ClaimKind::Persist, kSharedOwner};
 
   GatherEngine(int64_t pool_budget_bytes, py::object status_available, py::object status_not_available)
       : pool_(pool_budget_bytes),

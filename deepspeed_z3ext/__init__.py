@@ -9,7 +9,8 @@ unchanged.
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
-from deepspeed_z3ext.errors import AioError, ClaimError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.claims import ClaimError, ClaimKind
+from deepspeed_z3ext.errors import AioError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.seams import install, installed, uninstall
 from deepspeed_z3ext.stats import Z3extStats, stats
@@ -18,7 +19,6 @@ from deepspeed_z3ext import deepspeed_private as _private
 __version__ = "0.1.0"
 
 _ops()  # build or load now, so a broken toolchain fails at import with instructions
-ClaimKind = _ops().ClaimKind
 _private.check_version()
 install()
 

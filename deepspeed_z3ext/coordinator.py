@@ -10,7 +10,7 @@ import torch
 from deepspeed.utils import logger
 
 from deepspeed_z3ext import deepspeed_private as private
-from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext import claims
 from deepspeed_z3ext.graphs import BackwardClaims, claim_per_call, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
 
@@ -46,13 +46,8 @@ class Z3extCoordinator:
         self._warn_every = state.config.plan_warning_steps
         self._forwards = 0
         self._last_warning = None
-        k = ops().ClaimKind
-        self._fwd, self._bwd = k.FORWARD, k.BACKWARD
-        self.backward_claims = BackwardClaims(state.engine, k.BACKWARD)
-        # The kinds a new outermost forward ends (Backward claims end with their graph or pass); an
-        # optimizer step ends all but live GatheredParameters blocks.
-        self._step_kinds = [k.FORWARD, k.DIRECT, k.FALLBACK]
-        self._all_but_gathered = self._step_kinds + [k.BACKWARD, k.PERSIST]
+        self._fwd, self._bwd = claims.FORWARD, claims.BACKWARD
+        self.backward_claims = BackwardClaims(state.engine)
 
     # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):
@@ -83,7 +78,7 @@ class Z3extCoordinator:
         released, and Backward claims whose graph or pass is over ([Note: graph claims]); the module
         stack an exception inside a forward left dirty is cleaned."""
         self.backward_claims.start_forward()
-        self.state.engine.sweep(self._step_kinds)
+        self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
             _clean_module_stack()
             self._running.clear()
@@ -232,7 +227,7 @@ class Z3extCoordinator:
     def release_and_reset_all(self, module):
         """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released
         (the step rewrites partitions: a full parameter kept across it would be stale)."""
-        self.state.engine.sweep(self._all_but_gathered)
+        self.state.engine.sweep(claims.STEP_KINDS)
         self.backward_claims.forget_all()
         if self.state.config.leak_check:
             self.state.check_leaks("at the optimizer step")

@@ -1,5 +1,6 @@
 """z3ext's exceptions: one base class, so `except deepspeed_z3ext.Z3extError` catches every error z3ext
-raises on purpose, and each also is the builtin a caller of DeepSpeed's code would catch there."""
+raises on purpose, and each also is the builtin a caller of DeepSpeed's code would catch there
+(`ClaimError` is defined with the claim vocabulary, claims.py)."""
 
 
 class Z3extError(Exception):
@@ -8,10 +9,6 @@ class Z3extError(Exception):
 
 class Z3extConfigError(Z3extError, ValueError):
     """A `z3ext` config problem; the message names the key."""
-
-
-class ClaimError(Z3extError, RuntimeError):
-    """A duplicate claim by one owner, or a release without a claim; the message names the parameter."""
 
 
 class AioError(Z3extError, OSError):

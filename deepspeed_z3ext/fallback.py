@@ -64,6 +64,7 @@ import torch
 
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 
+from deepspeed_z3ext import claims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.state import STATE_ATTR, of_engine, offload_of
 
@@ -145,12 +146,10 @@ class Z3extEagerFallback:
     z3ext claims. See [Note: eager fallback claims]."""
 
     def __init__(self, engine, state, enabled: bool):
-        from deepspeed_z3ext._ops import ops
         self.enabled = enabled
         self._engine = weakref.ref(engine)
         self._state = weakref.ref(state)
-        kinds = ops().ClaimKind
-        self._kind, self._direct = kinds.FALLBACK, kinds.DIRECT
+        self._kind, self._direct = claims.FALLBACK, claims.DIRECT
         self._depth = 0
         self._next_gid = 0
         self._current: Optional[_Graph] = None  # the graph of the running (or last) outermost forward
@@ -233,7 +232,7 @@ class Z3extEagerFallback:
             return  # another engine's parameter: its Direct claim ends at that engine's next step
         g, unit = self._current, self._unit(state, param)
         state.engine.unshard(unit, self._kind, g.gid)
-        state.engine.reshard(unit, self._direct, 0)
+        state.engine.reshard(unit, self._direct, claims.SHARED_OWNER)
         g.params[param.ds_id] = param
         self._n["gathered"] += 1
 

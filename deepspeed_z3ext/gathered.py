@@ -9,13 +9,12 @@ DeepSpeed's own path.
 """
 import deepspeed.comm as dist
 
-from deepspeed_z3ext.errors import ClaimError
+from deepspeed_z3ext.claims import GATHERED, SHARED_OWNER, ClaimError
 from deepspeed_z3ext.state import of_param
 
 
-# All blocks claim as one owner: overlapping blocks are then a duplicate claim (an error naming the
-# parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
-GATHERED_OWNER = 0
+# All blocks claim as one owner (SHARED_OWNER): overlapping blocks are then a duplicate claim (an error
+# naming the parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
 
 def _split(ctx):
     """(z3ext state, its params) when the block's parameters all belong to one z3ext engine."""
@@ -54,19 +53,16 @@ def exit(stock_exit):
 
 
 def _enter(self, state, params):
-    from deepspeed_z3ext._ops import ops
     unit = state.unit_of(params)
-    gathered_kind = ops().ClaimKind.GATHERED
-    problem = state.engine.conflict(unit, gathered_kind, GATHERED_OWNER, to_claim=True)
+    problem = state.engine.conflict(unit, GATHERED, SHARED_OWNER, to_claim=True)
     if problem:
         raise ClaimError(problem + " (nested GatheredParameters blocks overlap on it)")
     self._z3ext_unit, self._z3ext_state = unit, state
-    state.engine.unshard(unit, gathered_kind, GATHERED_OWNER)
+    state.engine.unshard(unit, GATHERED, SHARED_OWNER)
 
 
 def _exit(self):
     state = self._z3ext_state
-    from deepspeed_z3ext._ops import ops
     try:
         if self.src_rank is not None:
             handles = [
@@ -78,8 +74,7 @@ def _exit(self):
             state.engine.write_back(self._z3ext_unit)
     finally:
         self._z3ext_state = None
-        gathered_kind = ops().ClaimKind.GATHERED
-        problem = state.engine.conflict(self._z3ext_unit, gathered_kind, GATHERED_OWNER, to_claim=False)
+        problem = state.engine.conflict(self._z3ext_unit, GATHERED, SHARED_OWNER, to_claim=False)
         if problem:
             raise ClaimError(problem)
-        state.engine.reshard(self._z3ext_unit, gathered_kind, GATHERED_OWNER)
+        state.engine.reshard(self._z3ext_unit, GATHERED, SHARED_OWNER)

@@ -35,6 +35,8 @@ from typing import Dict, List, Optional
 import torch
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext import claims
+
 
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
@@ -83,10 +85,10 @@ class _RootHook:
 class BackwardClaims:
     """Tokens for Backward claims and when they end, for one coordinator."""
 
-    def __init__(self, engine, kind):
-        self._engine = engine      # the C++ GatherEngine (or its NVMe wrapper)
-        self._kind = kind          # ClaimKind.BACKWARD
-        self._next = 1 << 40       # tokens never collide with module ds_ids or other owners
+    def __init__(self, engine):
+        self._engine = engine      # the C++ GatherEngine
+        self._kind = claims.BACKWARD
+        self._next = claims.TOKEN_BASE  # tokens never collide with module ds_ids ([Note: claim owners])
         self.open: Optional[_Graph] = None
         self._sealed: Dict[int, _Graph] = {}
         self._dead = collections.deque()

@@ -15,6 +15,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
+from deepspeed_z3ext import claims
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext import entry
 
@@ -132,7 +133,7 @@ class Z3extState:
     def discover_external(self, module, param):
         """Claims `param` for `module`'s running forward ([Note: external discovery]); the module's
         release drops the claim, as its unit (rebuilt with the new external) now holds the parameter."""
-        self.engine.unshard(self.unit_of([param]), ops().ClaimKind.FORWARD, module.ds_id)
+        self.engine.unshard(self.unit_of([param]), claims.FORWARD, module.ds_id)
 
     def destroy(self):
         """Drops every claim, returns every buffer, hands the parameters back to stock DeepSpeed."""
