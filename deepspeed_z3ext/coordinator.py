@@ -4,15 +4,14 @@ It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same int
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
 parameters form one fetch unit: one C++ call claims and gathers it, one call releases it.
 """
-from collections import deque
-
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext import claims
-from deepspeed_z3ext.graphs import BackwardClaims, claim_per_call, grad_nodes as _grad_nodes, in_backward
+from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
+from deepspeed_z3ext.window import PrefetchWindow
 
 
 class Z3extCoordinator:
@@ -21,7 +20,6 @@ class Z3extCoordinator:
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
-        self.bucket_numel = prefetch_bucket_numel
         self.hierarchy = 0  # read and written by the stage-3 optimizer
         # [Note: hold for backward] Autograd's use of a module's parameters in backward is a claim:
         # at the end of a grad-enabled forward whose outputs need grad, the module's Forward claim
@@ -33,15 +31,7 @@ class Z3extCoordinator:
         # tensor hooks gather it again for its backward, under a claim of that one call.
         self._hold_enabled = hold_for_backward
         self._max_live = max_live_numel
-        # [Note: prefetch window] Units of the next modules in the plan are gathered ahead, in one
-        # collective per batch, claimed for those modules' forwards, without making the compute
-        # stream wait ([Note: deferred wait]); the numel gathered ahead and not yet reached stays
-        # within stage3_prefetch_bucket_size (and the engine's
-        # live_numel + ahead within stage3_max_live_parameters). A unit larger than the window is
-        # fetched by its module.
-        self._ahead = deque()  # (plan position, numel) gathered ahead, not yet reached
-        self._ahead_numel = 0
-        self._frontier = 0     # plan positions before this one are gathered or passed
+        self.window = PrefetchWindow(prefetch_bucket_numel)  # [Note: prefetch window]
         self._running = []     # modules of this engine inside their forward (innermost last)
         self._warn_every = state.config.plan_warning_steps
         self._forwards = 0
@@ -82,9 +72,7 @@ class Z3extCoordinator:
         if not in_backward():
             _clean_module_stack()
             self._running.clear()
-        self._ahead.clear()
-        self._ahead_numel = 0
-        self._frontier = 0
+        self.window.reset()
         self._warn_divergence()
         self.plan = self.plans[torch.is_grad_enabled()]
         self.plan.start_forward()
@@ -113,51 +101,29 @@ class Z3extCoordinator:
         if not len(unit):
             # A module without parameters (the root, a block) starts the window when nothing is
             # ahead: prefetch begins before the first module with parameters.
-            if self.bucket_numel > 0 and not self._ahead and self.plan.cursor < len(self.plan.order):
+            if self.window.enabled and self.window.empty() and self.plan.cursor < len(self.plan.order):
                 self._prefetch(self.plan.cursor)
             return
         pos = self.plan.observe(sub_module)
         state.engine.unshard(unit, self._fwd, sub_module.ds_id)
-        if pos is not None and self.bucket_numel > 0:
+        if pos is not None and self.window.enabled:
             self._prefetch(pos)
 
     def _prefetch(self, pos):
         """Gathers the next plan positions ahead of their modules ([Note: prefetch window])."""
-        ahead = self._ahead
-        while ahead and ahead[0][0] < pos:
-            self._ahead_numel -= ahead.popleft()[1]
-        self._frontier = max(self._frontier, pos)
-        # Refill only once half the window has been reached: a full batch per collective (host time
-        # per collective is what a host-bound forward pays), while the rest still overlaps compute.
-        if self._ahead_numel * 2 > self.bucket_numel:
+        window, engine = self.window, self.state.engine
+        if not window.reach(pos):
             return
-        room = min(self.bucket_numel - self._ahead_numel, self._max_live - self.state.engine.live_numel)
-        order, state = self.plan.order, self.state
-        units, owners, taken, numel, i = [], [], [], 0, self._frontier
-        while i < len(order):
-            unit = state.unit_for(order[i], checked=False)
-            n = unit.numel  # a C++ loop over the unit's handles: read once
-            if numel + n > room:
-                break
-            units.append(unit)
-            owners.append(order[i].ds_id)
-            taken.append((i, n))
-            numel += n
-            i += 1
-        if not units:
+        batch = window.next_batch(self.plan.order, self._unit_ahead, self._max_live - engine.live_numel)
+        if batch is None:
             return
-        # [Note: batch size] A batch under half the window, cut short by the window while two or more
-        # units are still ahead, waits for a later module: the next module's unit is gathered and the
-        # one after it still covers this batch's gather, so waiting costs no stall and saves a
-        # collective (the GPT's blocks, 4 units of 4-17 M elements against a 5e7 window: 49 -> 34 per
-        # forward). With fewer units ahead, or at the plan's end, the batch goes now.
-        if numel * 2 < self.bucket_numel and len(ahead) >= 2 and i < len(order):
-            return
-        ahead.extend(taken)
-        self._frontier = i
+        window.commit(batch)
         # One call: each unit claimed for its module's forward, all gathered in one collective.
-        state.engine.unshard_batch(units, self._fwd, owners, True)
-        self._ahead_numel += numel
+        engine.unshard_batch(batch.units, self._fwd, batch.owners, True)
+
+    def _unit_ahead(self, module):
+        # Trusts the cached unit: the module's own fetch checks it and gathers what a stale prefetch missed.
+        return self.state.unit_for(module, checked=False)
 
     def release_sub_module(self, sub_module, grad_enabled=False, args=(), outputs=(), raised=False):
         """End of a module's forward (also one that raised, or that checkpoint recomputation stopped
@@ -165,30 +131,29 @@ class Z3extCoordinator:
         `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
         self._pop_running(sub_module)
         unit = self.state.unit_for(sub_module)  # checked: an external discovered in this forward joins
-        recomputing = in_backward()
+        phase = forward_phase()
         if len(unit):
-            if grad_enabled and not raised and any(t.requires_grad for t in outputs):
-                if recomputing:
-                    self._recomputed(sub_module, unit, args, outputs)
-                else:
-                    self._hold(sub_module, unit, args, outputs)
-            else:
+            if not grad_enabled or raised or not any(t.requires_grad for t in outputs):
                 # No output needs grad (or no grad, or it raised): its backward cannot run.
                 self.state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
-        if not self._running and not recomputing:
+            elif phase is Phase.RECOMPUTE:
+                self._recomputed(sub_module, unit, args, outputs)
+            else:
+                self._hold(sub_module, unit, args, outputs)
+        if not self._running and phase is Phase.FORWARD:
             self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
 
     def _hold(self, module, unit, args, outputs):
-        engine, owner, claims = self.state.engine, module.ds_id, self.backward_claims
+        engine, owner, graphs = self.state.engine, module.ds_id, self.backward_claims
         if self._hold_enabled:
-            g = claims.graph()
+            g = graphs.graph()
             if id(module) in g.held or engine.live_numel <= self._max_live:
                 engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
                 g.held.add(id(module))
                 engine.reshard(unit, self._fwd, owner, also_direct=True)
                 return
         engine.reshard(unit, self._fwd, owner, also_direct=True)
-        claim_per_call(self, module, claims.new_token(), args, outputs, gathered=False)
+        claim_per_call(self, module, graphs.new_token(), args, outputs, gathered=False)
 
     def _recomputed(self, module, unit, args, outputs):
         """A forward inside a backward pass (activation-checkpoint recomputation): the module stays
@@ -198,11 +163,11 @@ class Z3extCoordinator:
         fail its metadata check. Reentrant checkpointing backpropagates the recomputed graph at once:
         the module's input hooks drop the claim after its backward; otherwise the pass's end does.
         A module a graph already holds (non-reentrant, held in the original forward) needs nothing."""
-        engine, claims = self.state.engine, self.backward_claims
-        if not claims.held_by_graph(module):
-            token = claims.new_token()
+        engine, graphs = self.state.engine, self.backward_claims
+        if not graphs.held_by_graph(module):
+            token = graphs.new_token()
             engine.unshard(unit, self._bwd, token)
-            claims.on_pass_end(token)
+            graphs.on_pass_end(token)
             claim_per_call(self, module, token, args, outputs, gathered=True)
         engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 

@@ -43,6 +43,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class Phase(enum.Enum):
+    """Where a module forward runs."""
+    FORWARD = 1    # outside any backward pass: a grad-enabled one may hold for its graph
+    RECOMPUTE = 2  # inside a backward pass: activation-checkpoint recomputation
+
+
+def forward_phase() -> Phase:
+    return Phase.RECOMPUTE if in_backward() else Phase.FORWARD
+
+
 class GraphState(enum.Enum):
     OPEN = 1    # its outermost forward is running: holds join it
     SEALED = 2  # the forward returned: waiting for a backward through its outputs (or its death)
