@@ -151,7 +151,8 @@ class Z3extState:
     def check_leaks(self, when):
         """Raises naming parameters gathered without a claim, or whose released full tensor is still
         referenced outside z3ext (it would leak into the next step)."""
-        unclaimed = [h.name for h in self.engine.handles if h.state.name == "GATHERED" and not h.claims]
+        gathered = ops().ParamState.GATHERED
+        unclaimed = [h.name for h in self.engine.handles if h.state == gathered and not h.claims]
         leaked = self.engine.live_orphans()
         if unclaimed or leaked:
             raise RuntimeError(f"z3ext leak check ({when}): " +

@@ -28,9 +28,11 @@ def state_of(engine):
 def stats(engine) -> Z3extStats:
     state = state_of(engine)
     s = state.engine.stats()
+    from deepspeed_z3ext._ops import ops
+    gathered_state = ops().ParamState.GATHERED
     gathered, claims = [], {}
     for h in state.engine.handles:
-        if h.state.name == "GATHERED":
+        if h.state == gathered_state:
             gathered.append(h.name)
         cs = h.claims
         if cs:
