@@ -13,6 +13,8 @@ class Z3extStats(NamedTuple):
     pool_budget_bytes: int
     pool_reused: int
     pool_orphaned: int              # buffers not reused because another reader still held them
+    nvme_reads: int = 0             # NVMe partitions read in for gathers ([Note: nvme offload])
+    nvme_read_ahead_hits: int = 0   # of those, read ahead before their gather ([Note: nvme read-ahead])
 
 
 def state_of(engine):
@@ -29,6 +31,7 @@ def state_of(engine):
 def stats(engine) -> Z3extStats:
     state = state_of(engine)
     s = state.engine.stats()
+    residency = state.engine.residency  # None without NVMe offload
     gathered, claims = [], {}
     for h in state.engine.handles:
         if h.state.name == "GATHERED":
@@ -39,4 +42,6 @@ def stats(engine) -> Z3extStats:
     return Z3extStats(live_bytes=s["live_bytes"], peak_live_bytes=s["peak_live_bytes"], gathered=gathered,
                       claims=claims, collectives=s["collectives"], gathered_params=s["gathered_params"],
                       pool_cached_bytes=s["pool_cached_bytes"], pool_budget_bytes=s["pool_budget_bytes"],
-                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"])
+                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"],
+                      nvme_reads=getattr(residency, "reads", 0),
+                      nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
