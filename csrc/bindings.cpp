@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drop_owners", &GatherEngine::drop_owners, py::arg("kind"), py::arg("owners"))
       .def_property_readonly("orphan_records", &GatherEngine::orphan_records)
       .def("write_back", &GatherEngine::write_back)
+      .def("set_residency", &GatherEngine::set_residency, py::arg("residency"))  // [Note: partition residency]
+      .def_property_readonly("residency", &GatherEngine::residency)
       .def("destroy", &GatherEngine::destroy)
       .def("live_orphans", &GatherEngine::live_orphans)
       .def_property_readonly("handles", &GatherEngine::handles)

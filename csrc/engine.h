@@ -1,10 +1,12 @@
 // GatherEngine: per-DeepSpeed-engine owner of handles, the buffer pool and the gather stream.
 // One call per fetch unit gathers (unshard) or releases (reshard); no Python loop per parameter.
 #pragma once
+#include <memory>
 #include <tuple>
 #include <utility>
 #include "collectives.h"
 #include "pool.h"
+#include "residency.h"
 #include "unit.h"
 
 namespace z3ext {
@@ -69,7 +71,7 @@ class GatherEngine {
   int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool defer) {
     std::vector<ParamHandle*> need;
     claim(unit, Claim{kind, owner}, defer, need);  // a unit is in ds_id order, each parameter once
-    if (!need.empty()) gather(need, defer);
+    if (!need.empty()) gather_resident(need, defer);
     return static_cast<int64_t>(need.size());
   }
 
@@ -84,7 +86,7 @@ class GatherEngine {
     // ds_id order, each parameter once (an external parameter can be in several units).
     std::sort(need.begin(), need.end(), [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
     need.erase(std::unique(need.begin(), need.end()), need.end());
-    if (!need.empty()) gather(need, defer);
+    if (!need.empty()) gather_resident(need, defer);
     return static_cast<int64_t>(need.size());
   }
 
@@ -137,6 +139,7 @@ class GatherEngine {
 
   // Drops every claim of `kinds` held on any parameter of this engine; releases the unclaimed.
   int64_t sweep(const std::vector<ClaimKind>& kinds) {
+    if (residency_) residency_->before_sweep();  // [Note: partition residency]
     int64_t released = 0;
     for (const auto& h : handles_) {
       for (auto k : kinds) h->claims.remove_kind(k);
@@ -149,7 +152,16 @@ class GatherEngine {
   }
 
   // Writes each gathered parameter's current full value into this rank's partition (ds_tensor).
+  // Partitions out of memory are made resident first and written out after ([Note: partition residency]).
   void write_back(const FetchUnit& unit) {
+    py::object ids;  // the gathered parameters' ds_ids, for the residency hook only
+    if (residency_) {
+      py::list gathered;
+      for (const auto& h : unit.handles)
+        if (h->bucket) gathered.append(h->ds_id);
+      ids = std::move(gathered);
+      residency_->before_write_back(ids);
+    }
     for (const auto& h : unit.handles) {
       if (!h->bucket) continue;
       h->bucket->wait_ready(h->tensor.device());
@@ -161,10 +173,19 @@ class GatherEngine {
       at::NoGradGuard no_grad;
       part.reshape({-1}).narrow(0, 0, n).copy_(full.narrow(0, start, n));
     }
+    if (residency_) residency_->after_write_back(ids);
   }
+
+  // Installs (or, with None, removes) the partition-residency hook ([Note: partition residency]).
+  void set_residency(py::object residency) {
+    residency_.reset();
+    if (!residency.is_none()) residency_ = std::make_unique<Residency>(std::move(residency));
+  }
+  py::object residency() const { return residency_ ? residency_->obj : py::none(); }
 
   // Releases everything: every claim dropped, every bucket back, the pool emptied.
   void destroy() {
+    residency_.reset();  // its Python references go while Python is up
     for (const auto& h : handles_) {
       h->claims.clear();
       if (h->bucket) release(*h);
@@ -202,6 +223,63 @@ class GatherEngine {
         h->bucket->wait_ready(h->tensor.device());
       }
     }
+  }
+
+  // Gathers `need` (partitioned, claimed, each once, in ds_id order). With a residency hook, in
+  // the parts it names, each made resident before and handed back after its gather
+  // ([Note: partition residency]); without one (no partition out of memory), one null check.
+  void gather_resident(const std::vector<ParamHandle*>& need, bool defer) {
+    if (!residency_) {
+      gather(need, defer);
+      return;
+    }
+    py::list ids;
+    for (auto* h : need) ids.append(h->ds_id);
+    py::object parts = residency_->parts(ids);
+    if (parts.is_none()) {  // every partition of `need` is in memory
+      gather(need, defer);
+      return;
+    }
+    for (auto& part : split_parts(need, parts)) {
+      py::list part_ids;
+      for (auto* h : part) part_ids.append(h->ds_id);
+      residency_->before_gather(part_ids);
+      gather(part, defer);
+      residency_->after_gather(part_ids);
+    }
+  }
+
+  // The parts a residency hook named for `need` (lists of ds_ids), each in ds_id order; they must
+  // cover `need` exactly once.
+  static std::vector<std::vector<ParamHandle*>> split_parts(const std::vector<ParamHandle*>& need,
+                                                            const py::object& parts) {
+    std::vector<std::pair<int64_t, ParamHandle*>> by_id;
+    by_id.reserve(need.size());
+    for (auto* h : need) by_id.emplace_back(h->ds_id, h);
+    std::sort(by_id.begin(), by_id.end());
+    std::vector<bool> taken(by_id.size(), false);
+    std::vector<std::vector<ParamHandle*>> out;
+    size_t covered = 0;
+    for (const auto& part : parts) {
+      out.emplace_back();
+      for (const auto& item : part) {
+        const int64_t id = item.cast<int64_t>();
+        auto it = std::lower_bound(by_id.begin(), by_id.end(), std::make_pair(id, static_cast<ParamHandle*>(nullptr)));
+        if (it == by_id.end() || it->first != id || taken[it - by_id.begin()])
+          throw std::runtime_error("z3ext: the partition-residency hook's parts name ds_id " + std::to_string(id) +
+                                   " that is not to be gathered, or twice");
+        taken[it - by_id.begin()] = true;
+        out.back().push_back(it->second);
+        ++covered;
+      }
+      std::sort(out.back().begin(), out.back().end(),
+                [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
+      if (out.back().empty()) out.pop_back();
+    }
+    if (covered != need.size())
+      throw std::runtime_error("z3ext: the partition-residency hook's parts leave " +
+                               std::to_string(need.size() - covered) + " parameters to be gathered out");
+    return out;
   }
 
   // Gathers `params` (all partitioned), grouped by (process group, dtype, device, persistence) in
@@ -379,6 +457,7 @@ class GatherEngine {
   py::object not_available_;
   std::vector<HandlePtr> handles_;
   EngineStats stats_;
+  std::unique_ptr<Residency> residency_;  // null: every partition is in memory
 };
 
 }  // namespace z3ext

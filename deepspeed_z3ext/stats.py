@@ -13,6 +13,8 @@ class Z3extStats(NamedTuple):
     pool_budget_bytes: int
     pool_reused: int
     pool_orphaned: int              # buffers not reused because another reader still held them
+    nvme_reads: int = 0             # NVMe partitions read in for gathers ([Note: nvme offload])
+    nvme_read_ahead_hits: int = 0   # of those, read ahead before their gather ([Note: nvme read-ahead])
 
 
 def state_of(engine):
@@ -30,6 +32,7 @@ def stats(engine) -> Z3extStats:
     s = state.engine.stats()
     from deepspeed_z3ext._ops import ops
     gathered_state = ops().ParamState.GATHERED
+    residency = state.engine.residency  # None without NVMe offload
     gathered, claims = [], {}
     for h in state.engine.handles:
         if h.state == gathered_state:
@@ -40,4 +43,6 @@ def stats(engine) -> Z3extStats:
     return Z3extStats(live_bytes=s["live_bytes"], peak_live_bytes=s["peak_live_bytes"], gathered=gathered,
                       claims=claims, collectives=s["collectives"], gathered_params=s["gathered_params"],
                       pool_cached_bytes=s["pool_cached_bytes"], pool_budget_bytes=s["pool_budget_bytes"],
-                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"])
+                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"],
+                      nvme_reads=getattr(residency, "reads", 0),
+                      nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))

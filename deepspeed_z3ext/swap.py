@@ -9,9 +9,10 @@ partitions back after each step. z3ext adds:
   built for a config with z3ext enabled is a `Z3extParamSwapper` (dispatched at construction, as
   seams.py does for DeepSpeedZeRoOffload);
 - z3ext's gathers (GatherEngine.unshard, which reads `param.ds_tensor` in C++) get their partitions
-  read in first: `NvmeGatherEngine` wraps the engine, reads in every partitioned parameter of a unit
-  whose partition is on NVMe, gathers, and gives the swap buffers straight back (the file holds the
-  same bytes; the gathered parameter is a copy). Swap buffers are thus held only for the duration of
+  read in first: the engine calls its `NvmeResidency` hook ([Note: partition residency]), which reads
+  in every partitioned parameter of a unit whose partition is on NVMe before the gather and gives
+  the swap buffers straight back after it (the file holds the same bytes; the gathered parameter is
+  a copy). Swap buffers are thus held only for the duration of
   one gather, however many units are held for backward or prefetched; `offload_param.buffer_count`
   only bounds how many partitions one gather reads (a larger unit is gathered in parts).
 - Read-ahead ([Note: nvme read-ahead]): the order in which partitions were read in is recorded; after
@@ -23,6 +24,7 @@ partitions back after each step. z3ext adds:
 - checkpoint load of sub-groups kept on NVMe ([Note: nvme checkpoint load]).
 """
 import types
+from typing import List, Optional, Protocol, runtime_checkable
 
 import torch
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartitionedParameterSwapper,
@@ -30,7 +32,6 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (AsyncPartit
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 from deepspeed_z3ext import deepspeed_private as private
-from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import param_dict_of, parse_section
 
@@ -110,102 +111,102 @@ def _load_with_nvme_holes(self, holes, stock_load, state_dict, load_optimizer_st
 
 
 # ------------------------------------------------------------------------------- the gather engine
-_BATCH_OWNER = -1  # owner of the transient claim carrying a prefetch batch until each unit's own claim
+@runtime_checkable
+class PartitionResidency(Protocol):
+    """What GatherEngine calls around its own gathers when some partitions live out of memory
+    ([Note: partition residency], csrc/residency.h). Parameters are named by ds_id."""
+
+    def parts(self, ds_ids: List[int]) -> Optional[List[List[int]]]:
+        """The partitioned parameters about to be gathered (claimed, ds_id order): None when every
+        partition is in memory, else the parts to gather one after another (covering `ds_ids` once;
+        a function of the parameters and the config only, so every rank issues the same collectives)."""
+
+    def before_gather(self, ds_ids: List[int]) -> None:
+        """Makes the partitions of one part resident."""
+
+    def after_gather(self, ds_ids: List[int]) -> None:
+        """The part is gathered: its partitions may leave memory again."""
+
+    def before_sweep(self) -> None:
+        """A step boundary (the start of a forward, before the optimizer step)."""
+
+    def before_write_back(self, ds_ids: List[int]) -> None:
+        """The gathered parameters of a unit are about to be written into their partitions."""
+
+    def after_write_back(self, ds_ids: List[int]) -> None:
+        """They were: partitions out of memory go back to their files."""
 
 
-def wrap_engine(engine, params):
-    """`engine` itself when no parameter's partition lives on NVMe, else an NvmeGatherEngine."""
-    nvme = [p for p in params if _on_nvme(p)]
-    if not nvme:
-        return engine
-    return NvmeGatherEngine(engine, params)
+def attach_residency(engine, params):
+    """Installs an NvmeResidency on `engine` when some parameter's partition lives on NVMe
+    ([Note: nvme offload]); otherwise the engine has no hook and its gathers pay nothing for it."""
+    if any(_on_nvme(p) for p in params):
+        engine.set_residency(NvmeResidency(params))
+    return engine.residency
 
 
-class NvmeGatherEngine:
-    """The C++ GatherEngine with NVMe partitions read in before each gather ([Note: nvme offload]).
-    Every other attribute is the engine's own."""
+class NvmeResidency(PartitionResidency):
+    """NVMe partitions read in before each gather and given back after it ([Note: nvme offload]),
+    read ahead along the recorded order ([Note: nvme read-ahead])."""
 
-    def __init__(self, engine, params):
-        self._engine = engine
+    def __init__(self, params):
         self._by_id = {p.ds_id: p for p in params}
         self._swapper = next(p.nvme_swapper for p in params if _on_nvme(p))
-        self._partitioned = _ops().ParamState.PARTITIONED
         self._succ = {}      # ds_id -> ds_id read right after it last time ([Note: nvme read-ahead])
         self._last = None    # the ds_id read last
         self._ahead = set()  # ds_ids read ahead, not yet gathered
         self.reads = 0       # partitions read in for gathers (stats and tests)
         self.read_ahead_hits = 0
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    # -- the wrapped calls -----------------------------------------------------------------------
-    def unshard_batch(self, units, kind, owners, defer=False):
-        """A prefetch batch: one combined gather (NVMe reads included, see `unshard`) under a transient
-        Direct claim, then each unit's own claim."""
-        ops = _ops()
-        combined = ops.FetchUnit([h for u in units for h in u.handles])
-        direct = ops.ClaimKind.DIRECT
-        gathered = self.unshard(combined, direct, _BATCH_OWNER, defer)
-        for unit, owner in zip(units, owners):
-            self._engine.unshard(unit, kind, owner, defer)  # already gathered: claims only
-        self._engine.reshard(combined, direct, _BATCH_OWNER, False)
-        return gathered
-
-    def unshard(self, unit, kind, owner, defer=False):
-        params = self._nvme_partitioned(unit)
-        if not params:
-            return self._engine.unshard(unit, kind, owner, defer)
+    # -- the protocol ------------------------------------------------------------------------------
+    def parts(self, ds_ids):
+        by_id = self._by_id
+        nvme = [i for i in ds_ids if (p := by_id.get(i)) is not None and _on_nvme(p)]
+        if not nvme:
+            return None
         cap = self._swapper.param_buffer_count
-        if len(params) <= cap:
-            return self._unshard_read(unit, params, kind, owner, defer)
-        # More NVMe partitions than swap buffers (a large prefetch batch): gather in parts of at most
-        # `cap` of them. The split depends only on the unit and the config, so every rank issues the
-        # same collectives; claims are per parameter, so parts claim exactly what the unit would.
-        ops = _ops()
-        nvme_ids = {p.ds_id for p in params}
-        rest = [h for h in unit.handles if h.ds_id not in nvme_ids]
-        nvme = [h for h in unit.handles if h.ds_id in nvme_ids]
-        n = 0
-        for k in range(0, len(nvme), cap):
-            part = ops.FetchUnit(nvme[k:k + cap] + (rest if k == 0 else []))
-            n += self._unshard_read(part, [self._by_id[h.ds_id] for h in nvme[k:k + cap]], kind, owner, defer)
-        return n
+        if len(nvme) <= cap:
+            return [ds_ids]
+        # More NVMe partitions than swap buffers (a large prefetch batch): parts of at most `cap` of
+        # them, the partitions in memory with the first.
+        on = set(nvme)
+        rest = [i for i in ds_ids if i not in on]
+        return [nvme[k:k + cap] + (rest if k == 0 else []) for k in range(0, len(nvme), cap)]
 
-    def _unshard_read(self, unit, params, kind, owner, defer):
-        self._read_in(params)
-        n = self._engine.unshard(unit, kind, owner, defer)
+    def before_gather(self, ds_ids):
+        self._read_in(self._nvme(ds_ids))
+
+    def after_gather(self, ds_ids):
+        params = self._nvme(ds_ids)
         if any(p.is_cuda for p in params):
             # The gather copies from the partitions asynchronously on its stream: let it finish
             # before the swap buffers can be refilled.
             torch.cuda.synchronize()
         self._swapper.remove_partition_and_release_buffers(params)
         self._read_ahead(len(params))
-        return n
 
-    def sweep(self, kinds):
+    def before_sweep(self):
         # Sweeps start a forward and precede the optimizer step, which copies updates into partitions
         # that are in a swap buffer without writing them to their files: no read-ahead may be there.
         self._drop_read_ahead()
-        return self._engine.sweep(kinds)
 
-    def write_back(self, unit):
-        params = [self._by_id[h.ds_id] for h in unit.handles
-                  if h.state != self._partitioned and _on_nvme(self._by_id[h.ds_id])]
+    def before_write_back(self, ds_ids):
+        params = [self._by_id[i] for i in ds_ids if _on_nvme(self._by_id[i])]
         if params:
             self._read_in(params)
-        self._engine.write_back(unit)
+
+    def after_write_back(self, ds_ids):
+        params = [self._by_id[i] for i in ds_ids if _on_nvme(self._by_id[i])]
         if params:
             self._swapper.swap_out_and_release(params)  # synchronous write, then buffers back
 
     # -- reading in --------------------------------------------------------------------------------
-    def _nvme_partitioned(self, unit):
+    def _nvme(self, ds_ids):
         by_id, out = self._by_id, []
-        for h in unit.handles:
-            if h.state == self._partitioned:
-                p = by_id.get(h.ds_id)
-                if p is not None and _on_nvme(p):
-                    out.append(p)
+        for i in ds_ids:
+            p = by_id.get(i)
+            if p is not None and _on_nvme(p):
+                out.append(p)
         return out
 
     def _read_in(self, params):

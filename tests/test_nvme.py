@@ -65,6 +65,50 @@ def _swap_files(nvme_path):
     return out
 
 
+def _hook_errors(engine, nvme_params):
+    """Errors raised by the residency hook reach the caller of the engine as Python exceptions (the
+    named out-of-buffers error; any exception of a hook, type and message kept), and the engine
+    stays usable. No collective is issued: the hook raises before the gather."""
+    from deepspeed_z3ext._ops import ops
+    from deepspeed_z3ext.swap import NvmeResidency
+    state = engine.optimizer.parameter_offload.z3ext
+    eng, res = state.engine, state.engine.residency
+    sw = res._swapper
+    fwd, owner = ops().ClaimKind.FORWARD, 12345
+    out = {}
+    # Every swap buffer held elsewhere: a gather needing one more names the option to raise.
+    held = nvme_params[:sw.param_buffer_count]
+    target = nvme_params[sw.param_buffer_count]
+    sw.swap_in(held, async_op=False)
+    unit = state.unit_of([target])
+    try:
+        eng.unshard(unit, fwd, owner)
+        out["buffers"] = None
+    except RuntimeError as e:
+        out["buffers"] = str(e)
+    eng.reshard(unit, fwd, owner)
+    sw.remove_partition_and_release_buffers(held)
+
+    class Broken(NvmeResidency):
+        def before_gather(self, ds_ids):
+            raise KeyError(f"broken hook {list(ds_ids)}")
+
+    broken = Broken(state.params)
+    eng.set_residency(broken)
+    try:
+        eng.unshard(unit, fwd, owner)
+        out["broken"] = None
+    except KeyError as e:
+        out["broken"] = str(e)
+    finally:
+        eng.set_residency(res)
+    eng.reshard(unit, fwd, owner)
+    out["left_gathered"] = [h.name for h in eng.handles if h.state.name == "GATHERED" and not h.persist]
+    out["target"] = target.ds_id
+    out["free_after"] = sw.available_swap_in_buffers()
+    return out
+
+
 def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     import contextlib
     import torch
@@ -82,7 +126,7 @@ def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     import torch.distributed as dist
     import deepspeed
     import deepspeed_z3ext
-    from deepspeed_z3ext.swap import NvmeGatherEngine, Z3extParamSwapper
+    from deepspeed_z3ext.swap import PartitionResidency, Z3extParamSwapper
     from tests.models import build_engine, ds_config, full_params
 
     rank = dist.get_rank()
@@ -92,6 +136,11 @@ def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     stock_losses = _train(stock, steps + resume_steps)
     stock_params = full_params(stock)
     stock.destroy()
+    # z3ext without NVMe: the engine has no residency hook.
+    plain = build_engine(ds_config(z3ext=True, persistence=0), model_fn=_model)
+    out["plain_residency"] = plain.optimizer.parameter_offload.z3ext.engine.residency
+    stock_stats = deepspeed_z3ext.stats(plain)
+    plain.destroy()
 
     # z3ext + NVMe: same seed, same data.
     path_a = os.path.join(nvme_path, "a")
@@ -99,6 +148,8 @@ def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     po = z3.optimizer.parameter_offload
     eng = po.z3ext.engine
     out["engine_type"] = type(eng).__name__
+    out["residency_type"] = type(eng.residency).__name__
+    out["is_residency"] = isinstance(eng.residency, PartitionResidency)
     nvme_params = [p for p in z3.module.parameters()
                    if getattr(p.ds_tensor, "final_location", None) is not None and p.nvme_swapper is not None
                    and str(p.ds_tensor.final_location).endswith("nvme")]
@@ -109,8 +160,12 @@ def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     out["swap_files"] = len([f for f in _swap_files(path_a) if f"rank{rank}" in f])
     _modify_weights(z3)
     z3_losses = _train(z3, steps)
-    out["reads"] = eng.reads
-    out["read_ahead_hits"] = eng.read_ahead_hits
+    st = deepspeed_z3ext.stats(z3)
+    out["reads"] = st.nvme_reads
+    out["read_ahead_hits"] = st.nvme_read_ahead_hits
+    out["counters_agree"] = (st.nvme_reads, st.nvme_read_ahead_hits) == (eng.residency.reads,
+                                                                         eng.residency.read_ahead_hits)
+    out["hook_errors"] = _hook_errors(z3, nvme_params)
     # Between steps every NVMe partition is out of memory (its swap buffer given back).
     out["resident_after_step"] = [p.ds_id for p in nvme_params if p.ds_tensor.status.name != "NOT_AVAILABLE"]
     out["free_buffers"] = (nvme_params[0].nvme_swapper.available_swap_in_buffers(),
@@ -131,6 +186,7 @@ def _nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     out["stock_losses"] = stock_losses
     out["z3_losses"] = z3_losses
     out["stats_collectives"] = deepspeed_z3ext.stats(z3b).collectives
+    out["stock_stats_reads"] = (stock_stats.nvme_reads, stock_stats.nvme_read_ahead_hits)
     z3b.destroy()
     # GPUDirect Storage would bypass z3ext's op: refused, naming the option.
     gds = _nvme_config(os.path.join(nvme_path, "c"), variant)
@@ -153,7 +209,14 @@ def test_nvme_offload_equals_stock_and_checkpoints(tmp_path, variant):
     results = run_on_ranks(nvme_vs_stock, nvme_path=str(nvme), ckpt_path=str(ckpt), steps=3, resume_steps=2,
                            variant=variant, timeout=240)
     for rank, r in enumerate(results):
-        assert r["engine_type"] == "NvmeGatherEngine"
+        # One engine, the NVMe reads a hook it calls itself ([Note: partition residency]).
+        assert r["engine_type"] == "GatherEngine" and r["residency_type"] == "NvmeResidency", r
+        assert r["is_residency"] and r["plain_residency"] is None, r
+        assert r["counters_agree"] and r["stock_stats_reads"] == (0, 0), r
+        h = r["hook_errors"]
+        assert "swap buffers" in h["buffers"] and "offload_param.buffer_count" in h["buffers"], h
+        assert h["broken"] == repr(f"broken hook [{h['target']}]"), h
+        assert not h["left_gathered"] and h["free_after"] == r["free_buffers"][1], h
         assert r["swapper_type"] == "Z3extParamSwapper" and r["handle_type"] == "deepspeed_z3ext.aio"
         assert r["n_nvme"] >= 4, r  # the large weights live on NVMe
         assert r["swap_files"] >= r["n_nvme"]
@@ -181,7 +244,8 @@ def test_nvme_offload_gpu(tmp_path):
                            ckpt_path=str(tmp_path / "ckpt"), steps=3, resume_steps=2, variant="per_module",
                            timeout=300)
     for rank, r in enumerate(results):
-        assert r["engine_type"] == "NvmeGatherEngine" and r["n_nvme"] >= 4, r
+        assert r["engine_type"] == "GatherEngine" and r["residency_type"] == "NvmeResidency", r
+        assert r["n_nvme"] >= 4, r
         assert not r["loaded_mismatch"], f"rank {rank}: checkpoint load differs: {r['loaded_mismatch']}"
         assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
