@@ -95,60 +95,40 @@ class GatherEngine {
   // parameters started, as in stock).
   int64_t reshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool also_direct) {
     const Claim c{kind, owner};
-    int64_t released = 0;
-    for (const auto& h : unit.handles) {
-      h->claims.remove(c);
-      if (also_direct) h->claims.remove_kind(ClaimKind::Direct);
-      if (h->claims.empty() && h->bucket) {
-        release(*h);
-        ++released;
-      }
-    }
-    return released;
+    return drop_and_release(unit.handles, [&](ParamHandle& h) {
+      h.claims.remove(c);
+      if (also_direct) h.claims.remove_kind(ClaimKind::Direct);
+      return true;
+    });
   }
 
   // Drops every claim of `kinds` (any owner) from the unit's parameters; releases the unclaimed.
   int64_t drop_kinds(const FetchUnit& unit, const std::vector<ClaimKind>& kinds) {
-    int64_t released = 0;
-    for (const auto& h : unit.handles) {
-      for (auto k : kinds) h->claims.remove_kind(k);
-      if (h->claims.empty() && h->bucket) {
-        release(*h);
-        ++released;
-      }
-    }
-    return released;
+    return drop_and_release(unit.handles, [&](ParamHandle& h) {
+      for (auto k : kinds) h.claims.remove_kind(k);
+      return true;
+    });
   }
 
   // Drops the claims (kind, owner) for every owner in `owners` from every parameter of this engine;
   // releases the unclaimed. How a backward graph's holds end (coordinator.py [Note: graph claims]):
   // one pass over the handles, however many units the graph held.
   int64_t drop_owners(ClaimKind kind, const std::vector<int64_t>& owners) {
-    int64_t released = 0;
     if (owners.empty()) return 0;
-    for (const auto& h : handles_) {
+    return drop_and_release(handles_, [&](ParamHandle& h) {
       bool dropped = false;
-      for (auto o : owners) dropped = h->claims.remove(Claim{kind, o}) || dropped;
-      if (dropped && h->claims.empty() && h->bucket) {
-        release(*h);
-        ++released;
-      }
-    }
-    return released;
+      for (auto o : owners) dropped = h.claims.remove(Claim{kind, o}) || dropped;
+      return dropped;
+    });
   }
 
   // Drops every claim of `kinds` held on any parameter of this engine; releases the unclaimed.
   int64_t sweep(const std::vector<ClaimKind>& kinds) {
     if (residency_) residency_->before_sweep();  // [Note: partition residency]
-    int64_t released = 0;
-    for (const auto& h : handles_) {
-      for (auto k : kinds) h->claims.remove_kind(k);
-      if (h->claims.empty() && h->bucket) {
-        release(*h);
-        ++released;
-      }
-    }
-    return released;
+    return drop_and_release(handles_, [&](ParamHandle& h) {
+      for (auto k : kinds) h.claims.remove_kind(k);
+      return true;
+    });
   }
 
   // Writes each gathered parameter's current full value into this rank's partition (ds_tensor).
@@ -211,6 +191,21 @@ class GatherEngine {
   const std::vector<HandlePtr>& handles() const { return handles_; }
 
  private:
+  // [Note: one release routine] Every way claims end (reshard, drop_kinds, drop_owners, sweep) goes
+  // through here: `drop(handle)` removes claims and says whether the handle is to be checked; a
+  // checked handle left without claims and still gathered is released (its buffer back to the pool).
+  template <class Handles, class Drop>
+  int64_t drop_and_release(const Handles& handles, Drop&& drop) {
+    int64_t released = 0;
+    for (const auto& h : handles) {
+      if (drop(*h) && h->claims.empty() && h->bucket) {
+        release(*h);
+        ++released;
+      }
+    }
+    return released;
+  }
+
   // Adds claim `c` (and Persist where due) to the unit's parameters; the partitioned ones go to
   // `need`, and without `defer` the compute stream waits for the gathered ones' buckets.
   void claim(const FetchUnit& unit, const Claim& c, bool defer, std::vector<ParamHandle*>& need) {
