@@ -1,4 +1,5 @@
-"""Small models and training loops shared by the tests (and the CPU demo in the bench)."""
+"""Small models, configs and data shared by the tests (and the CPU demo in the bench); the training loop
+they share is tests/training.py."""
 import copy
 
 import torch

@@ -250,26 +250,20 @@ def test_fallback_claims_live_from_skipped_frame_to_backward_end():
 def train_equivalence():
     import torch
     from tests.models import build_engine, ds_config, full_params
+    from tests.training import train as train_steps
+
+    def two_forwards_one_loss(eng, micro):
+        # two forwards, one loss (the first graph's claims are re-taken at its backward)
+        eng.module.skip = (1, )  # the two forwards read different blocks
+        first = eng(_batch(100 + 2 * micro))
+        eng.module.skip = (0, )
+        loss = first + eng(_batch(101 + 2 * micro))
+        eng.module.skip = ()
+        return loss
 
     def train(eng, steps=3, ga=2):
-        losses = []
-        for step in range(steps):
-            for micro in range(ga):
-                loss = eng(_batch(step * ga + micro))
-                eng.backward(loss)
-                eng.step()
-                losses.append(loss.item())
-        # two forwards, one loss (the first graph's claims are re-taken at its backward)
-        for micro in range(ga):
-            eng.module.skip = (1, )  # the two forwards read different blocks
-            first = eng(_batch(100 + 2 * micro))
-            eng.module.skip = (0, )
-            loss = first + eng(_batch(101 + 2 * micro))
-            eng.module.skip = ()
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        return losses
+        losses = train_steps(eng, steps, _batch, ga=ga)
+        return train_steps(eng, 1, ga=ga, forward=two_forwards_one_loss, losses=losses)
 
     out = {}
     stock = build_engine(ds_config(persistence=0, mel=False))
@@ -312,15 +306,10 @@ def two_engines():
     from deepspeed.compile import z3_eager_fallback as ds_fallback
     import deepspeed_z3ext
     from tests.models import build_engine, ds_config, full_params
+    from tests.training import train as train_steps
 
     def train(eng, first, n=2):
-        losses = []
-        for i in range(n):
-            loss = eng(_batch(first + i))
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        return losses
+        return train_steps(eng, n, _batch, first_step=first)
 
     cfg = ds_config(z3ext=True, persistence=0, mel=False, ga=1)
     solo = {}
@@ -461,14 +450,13 @@ def _gpu_build(config, seed=1234):
 
 def _gpu_train(engine, first_step, steps):
     import torch.distributed as dist
-    losses = []
-    for step in range(first_step, first_step + steps):
+    from tests.training import train
+
+    def inputs(step):
         g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
-        loss = engine(torch.randint(0, 384, (2, 16), generator=g).cuda())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+        return torch.randint(0, 384, (2, 16), generator=g).cuda()
+
+    return train(engine, steps, inputs, first_step=first_step)
 
 
 def deepcompile_on_gpu(fallback=True, steps=7):
@@ -506,8 +494,7 @@ def deepcompile_on_gpu(fallback=True, steps=7):
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device)")
+@pytest.mark.gpus(2)
 def test_gpu_deepcompile_skipped_frame_trains_like_eager_zero3():
     for rank, r in enumerate(run_on_ranks(deepcompile_on_gpu, backend="nccl", timeout=600)):
         print(f"rank {rank}: torch {r['torch']} deepspeed {r['deepspeed']} fallback {r['fallback']}")
@@ -521,8 +508,7 @@ def test_gpu_deepcompile_skipped_frame_trains_like_eager_zero3():
         assert r["losses"] == pytest.approx(r["stock_losses"], rel=1e-3, abs=1e-4), (r["losses"], r["stock_losses"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device)")
+@pytest.mark.gpus(2)
 def test_gpu_deepcompile_skipped_frame_fails_with_the_fallback_off():
     for rank, r in enumerate(run_on_ranks(deepcompile_on_gpu, backend="nccl", timeout=600, fallback=False, steps=2)):
         assert r["deepcompile_active"], r
@@ -566,8 +552,7 @@ def two_engines_on_gpu(steps=3):
     return out
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device)")
+@pytest.mark.gpus(2)
 def test_gpu_compiled_and_eager_engine_in_one_process():
     for rank, r in enumerate(run_on_ranks(two_engines_on_gpu, backend="nccl", timeout=600)):
         assert r["fallback_gathered"] > 0, r

@@ -9,21 +9,22 @@ def _train(engine, steps, ga, check):
     import torch
     import torch.distributed as dist
     from tests.models import batch
-    rank, losses = dist.get_rank(), []
-    for step in range(steps):
-        for micro in range(ga):
-            # The second micro-step goes through engine.module directly (hooks, not engine.forward).
-            fwd = engine.module if micro == 1 else engine
-            loss = fwd(batch(step * ga + micro, rank))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    from tests.training import train
+    rank = dist.get_rank()
+
+    def forward(engine, i):
+        # The second micro-step goes through engine.module directly (hooks, not engine.forward).
+        fwd = engine.module if i % ga == 1 else engine
+        return fwd(batch(i, rank))
+
+    def between_steps(engine, step):
         engine.eval()  # an eval/no_grad forward between steps
         with torch.no_grad():
             engine(batch(10_000 + step, rank))
         engine.train()
         check(engine, step)
-    return losses
+
+    return train(engine, steps, ga=ga, forward=forward, after_step=between_steps)
 
 
 def compare_with_stock(persistence, inside_init, mel, steps=3, ga=2, z3ext_options=None, zero_extra=None):

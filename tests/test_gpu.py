@@ -1,14 +1,10 @@
 """GPU variant of the equivalence test: 2 GPUs, NCCL, z3ext's CUDA stream/event path.
 fp32 must be bitwise equal to stock ZeRO-3; bf16 equal within bf16 tolerance. Skipped on CPU."""
 import pytest
-import torch
 
 from tests.harness import run_on_ranks
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (run on the device)"),
-]
+pytestmark = pytest.mark.gpus(2)
 
 
 def compare_on_gpu(dtype, persistence, steps=3, ga=2):
@@ -17,24 +13,20 @@ def compare_on_gpu(dtype, persistence, steps=3, ga=2):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import deepspeed_z3ext
     from tests.models import batch, build_engine, ds_config, full_params
+    from tests import training
 
     assert deepspeed_z3ext._ops().with_cuda, "the CPU flavour of the ops was loaded on a GPU machine"
     extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     rank = dist.get_rank()
 
+    def nothing_left_gathered(engine, step):
+        gathered = [n for n in deepspeed_z3ext.stats(engine).gathered
+                    if not dict(engine.module.named_parameters())[n].ds_persist] if hasattr(
+                        engine.optimizer.parameter_offload, "z3ext") else []
+        assert not gathered, f"left gathered after step {step}: {gathered}"
+
     def train(engine):
-        losses = []
-        for step in range(steps):
-            for micro in range(ga):
-                loss = engine(batch(step * ga + micro, rank).cuda())
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            gathered = [n for n in deepspeed_z3ext.stats(engine).gathered
-                        if not dict(engine.module.named_parameters())[n].ds_persist] if hasattr(
-                            engine.optimizer.parameter_offload, "z3ext") else []
-            assert not gathered, f"left gathered after step {step}: {gathered}"
-        return losses
+        return training.train(engine, steps, lambda i: batch(i, rank).cuda(), ga=ga, after_step=nothing_left_gathered)
 
     with sdpa_kernel(SDPBackend.MATH):  # deterministic attention backward
         stock = build_engine(ds_config(persistence=persistence, ga=ga, extra=extra))

@@ -32,16 +32,15 @@ def _nvme_config(nvme_path, variant):
 def _train(engine, steps, first_step=0):
     import torch.distributed as dist
     from tests.models import batch
-    losses, rank = [], dist.get_rank()
+    from tests.training import train
+    rank = dist.get_rank()
     on_gpu = dist.get_backend() == "nccl"
-    for step in range(first_step, first_step + steps):
-        for micro in range(2):
-            x = batch(2 * step + micro, rank, vocab=64)
-            loss = engine(x.cuda() if on_gpu else x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    return losses
+
+    def inputs(i):
+        x = batch(i, rank, vocab=64)
+        return x.cuda() if on_gpu else x
+
+    return train(engine, steps, inputs, ga=2, first_step=first_step)
 
 
 def _modify_weights(engine):
@@ -235,8 +234,7 @@ def test_nvme_offload_equals_stock_and_checkpoints(tmp_path, variant):
     assert results[0]["z3_losses"][0] != results[0]["z3_losses"][-1]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs (run on the device)")
+@pytest.mark.gpus(2)
 def test_nvme_offload_gpu(tmp_path):
     """The same on 2 GPUs (NCCL, fp32): partitions read into CPU swap buffers, gathered to the GPU on
     z3ext's stream, buffers given back only after the gather finished."""

@@ -136,6 +136,7 @@ def forward_failures():
     import deepspeed_z3ext
     from deepspeed.runtime.zero import parameter_offload
     from tests.models import build_engine, ds_config, full_params
+    from tests.training import train
     out = {}
     for name in ("stock", "z3ext", "z3ext_clean"):
         eng = build_engine(ds_config(z3ext=name.startswith("z3ext"), persistence=0, ga=1))
@@ -159,11 +160,7 @@ def forward_failures():
                 eng(_batch(2))  # (6) eval forward
                 eng.train()
         try:
-            for i in range(3):
-                loss = eng(_batch(10 + i))
-                eng.backward(loss)
-                eng.step()
-                losses.append(loss.item())
+            train(eng, 3, lambda i: _batch(10 + i), losses=losses)  # losses so far kept if a step raises
             out[f"{name}_error"] = None
         except Exception as e:
             out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -191,15 +188,15 @@ def test_exception_in_forward_and_abandoned_forwards_leave_nothing_behind():
 def shared_loss():
     import torch
     from tests.models import full_params
+    from tests.training import train
     stock, z3 = _stock_and_z3(ga=2)
     res = {}
+
+    def two_forwards_one_loss(eng, i):
+        return eng(_batch(2 * i)) + eng.module(_batch(2 * i + 1))
+
     for name, eng in (("stock", stock), ("z3ext", z3)):
-        losses = []
-        for i in range(4):
-            loss = eng(_batch(2 * i)) + eng.module(_batch(2 * i + 1))
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
+        losses = train(eng, 4, forward=two_forwards_one_loss)
         res[name] = (losses, full_params(eng))
     return dict(losses_equal=res["stock"][0] == res["z3ext"][0],
                 params_equal=all(torch.equal(res["stock"][1][k], res["z3ext"][1][k]) for k in res["stock"][1]))
@@ -215,20 +212,18 @@ def two_engines():
     import torch
     import deepspeed_z3ext
     from tests.models import build_engine, ds_config, full_params
+    from tests.training import train as train_steps
 
-    def train(eng, i):
-        loss = eng(_batch(i))
-        eng.backward(loss)
-        eng.step()
-        return loss.item()
+    def train(eng, i):  # one step on _batch(i)
+        return train_steps(eng, 1, _batch, first_step=i)[0]
 
     cfg = ds_config(z3ext=True, persistence=0, ga=1)
     alone_a = build_engine(cfg, seed=1)
-    la = [train(alone_a, i) for i in range(3)]
+    la = train_steps(alone_a, 3, _batch)
     pa = full_params(alone_a)
     alone_a.destroy()
     alone_b = build_engine(cfg, seed=2)
-    lb = [train(alone_b, 100 + i) for i in range(3)]
+    lb = train_steps(alone_b, 3, _batch, first_step=100)
     pb = full_params(alone_b)
     alone_b.destroy()
 

@@ -42,6 +42,7 @@ def lora_resume(ckpt, access, persistence, bucket, ckpt_dir, z3ext=True):
     import torch.distributed as dist
     if z3ext:
         import deepspeed_z3ext  # noqa: F401
+    from tests import training
     from tests.lora import LoraNet, data, ds_config, reference, trainable
     from tests.models import full_params
 
@@ -63,29 +64,33 @@ def lora_resume(ckpt, access, persistence, bucket, ckpt_dir, z3ext=True):
         return engine
 
     def train(engine, first_step, n_steps):
-        for step in range(first_step, first_step + n_steps):
-            for m in range(GA):
-                micro = step * GA + m
-                if micro == first_step * GA:
-                    # The engine's first forward runs with the adapters resident (a GatheredParameters
-                    # block around it, e.g. to log them); its backward, and the checkpoint
-                    # recomputation in it, run after the block: the external uses recorded while
-                    # resident must be gathered then.
-                    adapters = [p for layer in engine.module.layers
-                                for p in (layer.lora_A.weight, layer.lora_B.weight, layer.base.weight)]
-                    with deepspeed.zero.GatheredParameters(adapters):
-                        loss = engine(*data(micro, rank))
-                else:
-                    loss = engine(*data(micro, rank))
-                engine.backward(loss)
-                engine.step()
-                if not _close(torch.tensor(loss.item()), torch.tensor(ref_losses[micro][rank])):
-                    problems.append(f"micro-step {micro}: loss {loss.item()!r} != reference {ref_losses[micro][rank]!r}")
+        losses = []  # this call's, micro-step first_step * GA onwards
+
+        def forward(engine, micro):
+            if micro == first_step * GA:
+                # The engine's first forward runs with the adapters resident (a GatheredParameters
+                # block around it, e.g. to log them); its backward, and the checkpoint
+                # recomputation in it, run after the block: the external uses recorded while
+                # resident must be gathered then.
+                adapters = [p for layer in engine.module.layers
+                            for p in (layer.lora_A.weight, layer.lora_B.weight, layer.base.weight)]
+                with deepspeed.zero.GatheredParameters(adapters):
+                    return engine(*data(micro, rank))
+            return engine(*data(micro, rank))
+
+        def check(engine, step):
+            for micro in range(step * GA, (step + 1) * GA):
+                loss = losses[micro - first_step * GA]
+                if not _close(torch.tensor(loss), torch.tensor(ref_losses[micro][rank])):
+                    problems.append(f"micro-step {micro}: loss {loss!r} != reference {ref_losses[micro][rank]!r}")
             full = full_params(engine)
             for name, want in ref_states[step].items():
                 if not _close(full[name], want):
                     err = (full[name] - want).abs().max().item()
                     problems.append(f"after step {step}: {name} differs from the reference by {err:.3g}")
+
+        training.train(engine, n_steps, ga=GA, first_step=first_step, forward=forward, after_step=check,
+                       losses=losses)
 
     engine = build(seed=11)
     train(engine, 0, STEPS_BEFORE)
@@ -145,6 +150,7 @@ def bounded_live_memory():
     import torch.distributed as dist
     import deepspeed_z3ext
     from tests.models import TinyGPT, batch, build_engine, ds_config
+    from tests.training import train
 
     cfg = ds_config(z3ext=True, persistence=0, ga=2, zero_extra={"stage3_max_live_parameters": MAX_LIVE,
                                                                  "stage3_prefetch_bucket_size": BUCKET})
@@ -160,13 +166,14 @@ def bounded_live_memory():
     budget_bytes = 4 * (MAX_LIVE + root_unit + max(units) + n_params * world)
     model_bytes = 4 * sum(p.ds_numel for p in eng.module.parameters())
     per_forward = []
-    for step in range(4):
-        for micro in range(2):
-            before = deepspeed_z3ext.stats(eng).collectives
-            loss = eng(batch(step * 2 + micro, rank))
-            per_forward.append(deepspeed_z3ext.stats(eng).collectives - before)
-            eng.backward(loss)
-            eng.step()
+
+    def counted_forward(eng, i):  # the collectives each forward issues
+        before = deepspeed_z3ext.stats(eng).collectives
+        loss = eng(batch(i, rank))
+        per_forward.append(deepspeed_z3ext.stats(eng).collectives - before)
+        return loss
+
+    train(eng, 4, ga=2, forward=counted_forward)
     st = deepspeed_z3ext.stats(eng)
     return dict(peak=st.peak_live_bytes, budget=budget_bytes, model=model_bytes, per_forward=per_forward,
                 n_units=sum(1 for u in units if u))
@@ -188,6 +195,7 @@ def divergence_warnings(warn_every):
     import deepspeed_z3ext
     from deepspeed.utils import logger
     from tests.models import batch, build_engine, ds_config, full_params
+    from tests.training import train
 
     seen = []
 
@@ -204,19 +212,20 @@ def divergence_warnings(warn_every):
         for name in ("stock", "z3ext"):
             z3 = {"enabled": True, "plan_warning_steps": warn_every} if name == "z3ext" else False
             eng = build_engine(ds_config(z3ext=z3, persistence=0, ga=1))
-            rank, losses = dist.get_rank(), []
-            for step in range(8):
+            rank = dist.get_rank()
+
+            def forward(eng, step):
                 # Every other step skips a different block: the order keeps changing.
                 eng.module.skip = (step % 2, ) if step % 2 else ()
-                loss = eng(batch(step, rank))
-                eng.backward(loss)
-                eng.step()
-                losses.append(loss.item())
+                return eng(batch(step, rank))
+
+            def generate(eng, step):
                 # generate-style no_grad loop: forwards of growing length
                 with torch.no_grad():
                     for t in (4, 8, 12):
                         eng(batch(100 + t, rank)[:, :t])
-            out[name] = losses
+
+            out[name] = train(eng, 8, forward=forward, after_step=generate)
             out[name + "_params"] = full_params(eng)
     finally:
         logger.removeHandler(handler)
@@ -247,6 +256,7 @@ def dangling_parameter():
     import torch.nn.functional as F
     import torch.distributed as dist
     from tests.models import build_engine, ds_config, full_params
+    from tests.training import train
 
     class WeightOf(nn.Module):
 
@@ -274,16 +284,14 @@ def dangling_parameter():
     # Without hold_for_backward the submodule's release would partition the weight before the parent
     # uses it, unless it was registered to the parent.
     configs = {"stock": False, "z3ext": {"enabled": True, "hold_for_backward": False}, "z3ext-hold": True}
+
+    def inputs(i):
+        g = torch.Generator().manual_seed(31 * i + rank)
+        return torch.randn(2, 8, generator=g), torch.randn(2, generator=g)
+
     for name, z3 in configs.items():
         eng = build_engine(ds_config(z3ext=z3, persistence=0, ga=2), model_fn=Net)
-        losses = []
-        for i in range(6):
-            g = torch.Generator().manual_seed(31 * i + rank)
-            loss = eng(torch.randn(2, 8, generator=g), torch.randn(2, generator=g))
-            eng.backward(loss)
-            eng.step()
-            losses.append(loss.item())
-        out[name] = losses
+        out[name] = train(eng, 6, inputs)
         out[name + "_params"] = full_params(eng)
     out["params_equal"] = all(
         torch.equal(out["stock_params"][k], out[z + "_params"][k]) for k in out["stock_params"] for z in ("z3ext", "z3ext-hold"))
