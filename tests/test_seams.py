@@ -9,6 +9,7 @@ import ast
 import pathlib
 
 from tests.harness import run_on_ranks
+from tests.test_lifecycle import HIDDEN, _stack_model  # 3 addmm layers: each saves its weight itself
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "deepspeed_z3ext"
 SEAMS = [  # (module, class, attribute): what seams.py replaces
@@ -21,7 +22,6 @@ SEAMS = [  # (module, class, attribute): what seams.py replaces
     ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper", "__new__"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_rigid_load_state_dict"),
 ]
-HIDDEN = 16
 
 
 def _classes():
@@ -32,23 +32,6 @@ def _classes():
 def _snapshot():
     absent = object()
     return [(cls, attr, cls.__dict__.get(attr, absent)) for cls, attr in _classes()], absent
-
-
-def _model():
-    import torch
-    import torch.nn as nn
-
-    class Layer(nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.3)
-            self.bias = nn.Parameter(torch.zeros(HIDDEN))
-
-        def forward(self, x):
-            return torch.tanh(torch.addmm(self.bias, x, self.weight))  # addmm saves the weight itself
-
-    return nn.Sequential(Layer(), Layer(), Layer())
 
 
 def _train(z3ext, steps=3):
@@ -63,12 +46,12 @@ def _train(z3ext, steps=3):
         cfg["z3ext"] = True
     torch.manual_seed(7)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        model = _model()
+        model = _stack_model()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
-        loss = engine(torch.randn(2, HIDDEN, generator=g)).pow(2).mean()
+        loss = engine(torch.randn(2, HIDDEN, generator=g))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().clone())
