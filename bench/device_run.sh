@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU checks a session owes, in one device call (few, full calls: each call to a fresh machine
+# rebuilds the ops, ~1 min). From the repo root on the device, with DeepSpeed 0.19.8 and its
+# dependencies carried as wheels in .whl (the device tool's README):
+#   bash bench/device_run.sh tests   # CUDA build, DeepCompile's op, pytest -m gpu (needs 2 GPUs)
+#   bash bench/device_run.sh hf      # HF recipe: step time, peak memory, losses (stock, z3ext, nohold)
+#   bash bench/device_run.sh bench   # stock / z3ext / FSDP2 side by side (--rounds 2)
+#   bash bench/device_run.sh all
+# Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0
+export TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
+what=${1:-all}
+nvidia-smi -L
+python3 -c "from deepspeed_z3ext._ops import ops; print('ops built, cuda:', ops().with_cuda)" || exit 1
+if [[ $what == tests || $what == all ]]; then
+  python3 -c "from deepspeed.ops.op_builder import DeepCompileBuilder; DeepCompileBuilder().load()" >/dev/null 2>&1
+  python3 -m pytest -q -m gpu tests 2>&1 | tee "$LOG/gpu-tests.log" | tail -8
+fi
+if [[ $what == hf || $what == all ]]; then
+  python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
+fi
