@@ -4,6 +4,8 @@ It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same int
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
 parameters form one fetch unit: one C++ call claims and gathers it, one call releases it.
 """
+import functools
+
 import torch
 from deepspeed.utils import logger
 
@@ -32,6 +34,8 @@ class Z3extCoordinator:
         self._hold_enabled = hold_for_backward
         self._max_live = max_live_numel
         self.window = PrefetchWindow(prefetch_bucket_numel)  # [Note: prefetch window]
+        # Units ahead trust the cache: the module's own fetch checks it and gathers what a stale prefetch missed.
+        self._unit_ahead = functools.partial(state.unit_for, checked=False)
         self._running = []     # modules of this engine inside their forward (innermost last)
         self._warn_every = state.config.plan_warning_steps
         self._forwards = 0
@@ -120,10 +124,6 @@ class Z3extCoordinator:
         window.commit(batch)
         # One call: each unit claimed for its module's forward, all gathered in one collective.
         engine.unshard_batch(batch.units, self._fwd, batch.owners, True)
-
-    def _unit_ahead(self, module):
-        # Trusts the cached unit: the module's own fetch checks it and gathers what a stale prefetch missed.
-        return self.state.unit_for(module, checked=False)
 
     def release_sub_module(self, sub_module, grad_enabled=False, args=(), outputs=(), raised=False):
         """End of a module's forward (also one that raised, or that checkpoint recomputation stopped

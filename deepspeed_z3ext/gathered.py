@@ -20,7 +20,7 @@ def _split(ctx):
     """(z3ext state, its params) when the block's parameters all belong to one z3ext engine."""
     if not ctx.enabled:
         return None, None
-    states = {id(of_param(p)): of_param(p) for p in ctx.params}
+    states = {id(s): s for s in map(of_param, ctx.params)}
     if len(states) != 1 or None in states.values():
         if any(s is not None for s in states.values()):
             raise RuntimeError("z3ext: a GatheredParameters block mixes parameters of different engines (or of "
