@@ -3,6 +3,7 @@
 #include "aio.h"
 #include "boundary.h"
 #include "engine.h"
+#include "reduce.h"
 
 namespace py = pybind11;
 using namespace z3ext;
@@ -16,6 +17,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   m.def("input_boundary", &input_boundary, py::arg("tensor"));
+  m.def(
+      "reduce_scatter_grads",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& dests, int64_t rank, int64_t world, at::ScalarType comm_dtype,
+         double averaging_scale, bool accumulate) {
+        auto r = reduce_scatter_grads(*group, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate);
+        return std::make_tuple(r.reduced, r.buffer_numel);
+      },
+      py::arg("group"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
+      py::arg("comm_dtype"), py::arg("averaging_scale"), py::arg("accumulate"));  // [Note: gradient arithmetic] in reduce.h
 
   py::enum_<ClaimKind>(m, "ClaimKind")
       .value("FORWARD", ClaimKind::Forward)

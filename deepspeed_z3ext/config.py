@@ -41,6 +41,11 @@ class Z3extConfig(BaseModel):
     """At each optimizer step, raise naming every parameter whose released full tensor is still
     referenced outside z3ext (a leak into the next step), or that is gathered without a claim."""
 
+    reduce_gradients: StrictBool = True
+    """z3ext reduce-scatters gradients into the stage-3 optimizer's partitions, one collective per
+    `reduce_bucket_size` elements, from the gradients autograd made (grads.py); false: DeepSpeed's
+    bucket copies. Either way the partitions hold the same bits."""
+
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""

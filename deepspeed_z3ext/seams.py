@@ -73,7 +73,7 @@ def _table():
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from deepspeed_z3ext import config, external, fallback, gathered, offload, swap
+    from deepspeed_z3ext import config, external, fallback, gathered, grads, offload, swap
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -91,6 +91,12 @@ def _table():
              "NVMe parameter swapping on z3ext's aio_handle"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_rigid_load_state_dict", swap.rigid_load_state_dict,
              "checkpoint load with NVMe-resident sub-groups (stock 0.19.8 crashes there)"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "reduce_independent_p_g_buckets_and_remove_grads", grads.note_gradient,
+             "a gradient is noted in z3ext's bucket, reduce-scattered by the C++ op ([Note: gradient path])"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "independent_gradient_partition_epilogue", grads.epilogue,
+             "the backward's end flushes z3ext's gradient bucket before DeepSpeed's epilogue"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "_pre_step", grads.pre_step,
+             "the step drops gradients never reduced, as DeepSpeed clears its buckets there"),
     ]
 
 

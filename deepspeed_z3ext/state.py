@@ -53,12 +53,18 @@ def of_engine(engine) -> "Optional[Z3extState]":
     return getattr(offload_of(engine), "z3ext", None) if engine is not None else None
 
 
+def of_optimizer(optimizer) -> "Optional[Z3extState]":
+    """The z3ext state of a stage-3 optimizer (its DeepSpeedZeRoOffload's); None when not z3ext's."""
+    return getattr(getattr(optimizer, "parameter_offload", None), "z3ext", None)
+
+
 def of_param(param) -> "Optional[Z3extState]":
     """The z3ext state that owns a ZeRO-3 parameter; None for a parameter of no z3ext engine."""
     return getattr(param, STATE_ATTR, None)
 
 
-def _group_of(param):
+def group_of(param):
+    """The process group a ZeRO-3 parameter is partitioned over (None means the world)."""
     group = getattr(param, "ds_process_group", None)
     return group if group is not None else tdist.group.WORLD
 
@@ -73,6 +79,7 @@ class Z3extState:
         self._units = {}  # module ds_id -> (n external params, FetchUnit)
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
+        self.grad_reducer = None  # grads.GradReducer at the first gradient, False: DeepSpeed's path
         self.params = []
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
@@ -83,7 +90,7 @@ class Z3extState:
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             # Gathered by stock code before z3ext took over (e.g. GatheredParameters at load time).
             param.partition()
-        group = _group_of(param)
+        group = group_of(param)
         handle = self.engine.make_handle(param, name, param.ds_id, param.ds_numel, param.ds_tensor.ds_numel,
                                          list(param.ds_shape), group, tdist.get_rank(group),
                                          tdist.get_world_size(group), bool(param.ds_persist))
@@ -147,6 +154,7 @@ class Z3extState:
         self.params = []
         self._units.clear()
         self.coordinator = None
+        self.grad_reducer = None
 
     def check_leaks(self, when):
         """Raises naming parameters gathered without a claim, or whose released full tensor is still

@@ -1,0 +1,98 @@
+// Gradient reduce-scatter: the mirror of the gather. A bucket of full gradients becomes this rank's
+// partition of their average, written straight into the stage-3 optimizer's gradient partitions.
+// [Note: gradient arithmetic] The result must equal stock DeepSpeed's bit for bit, so every step is
+// the same ATen op, in the same dtype and order, as stage 3's `__avg_scatter_grads` +
+// `reduce_scatter_coalesced` + `partition_grads` (DeepSpeed 0.19.8):
+//   1. each gradient in the communication dtype (stock converts whole gradients, here chunk by chunk:
+//      the same rounding), laid out rank-major with each parameter's chunk padded to ceil(numel/world);
+//   2. `div_(world)` (stock's pre-divide inside reduce_scatter_coalesced), one op over the whole buffer
+//      (stage 3 refuses gradient_predivide_factor != 1 with reduce-scatter, z3ext's only mode);
+//   3. one reduce-scatter (sum) for the bucket;
+//   4. `mul_(averaging_scale)` when given (AutoEP experts), then the accumulation dtype;
+//   5. per parameter with real data on this rank: `copy_` into its partition (first micro-step) or
+//      `add_` (gradient accumulation).
+// Elementwise ops over a buffer give what per-tensor ops give, and the layout only decides which
+// elements meet in the sum (the same ones on every rank: the caller sorts by ds_id).
+#pragma once
+#include <torch/extension.h>
+#include <vector>
+
+#include "collectives.h"
+
+namespace z3ext {
+
+struct ReduceScatterResult {
+  int64_t reduced;    // parameters whose partition on this rank received data
+  int64_t buffer_numel;
+};
+
+// `grads[i]` is a full gradient (numel of the parameter), `dests[i]` this rank's gradient partition
+// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". Runs on the current stream;
+// on CUDA the gradients are marked as used by it (they were made on the compute stream).
+inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const std::vector<at::Tensor>& grads,
+                                                const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
+                                                at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(grads.size() == dests.size(), "z3ext reduce_scatter_grads: ", grads.size(), " gradients but ",
+              dests.size(), " partitions");
+  TORCH_CHECK(!grads.empty(), "z3ext reduce_scatter_grads: empty bucket");
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "z3ext reduce_scatter_grads: rank ", rank, " of ", world);
+  std::vector<int64_t> chunk(grads.size());
+  int64_t per_rank = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    chunk[i] = (grads[i].numel() + world - 1) / world;
+    TORCH_CHECK(dests[i].numel() >= chunk[i], "z3ext reduce_scatter_grads: gradient partition of ", dests[i].numel(),
+                " elements for a chunk of ", chunk[i]);
+    per_rank += chunk[i];
+  }
+  const at::Device device = grads.front().device();
+  at::Tensor buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
+  // 1. rank-major layout; padding zeroed (stock leaves it uninitialised: it is summed and dropped).
+  int64_t off = 0;
+  for (int64_t r = 0; r < world; ++r) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const int64_t n = grads[i].numel();
+      const int64_t begin = std::min(r * chunk[i], n);
+      const int64_t len = std::min(chunk[i], n - begin);
+      at::Tensor flat = grads[i].reshape({-1});
+      if (len > 0) buf.narrow(0, off, len).copy_(flat.narrow(0, begin, len), /*non_blocking=*/true);
+      if (len < chunk[i]) buf.narrow(0, off + len, chunk[i] - len).zero_();
+      off += chunk[i];
+    }
+  }
+#ifdef Z3EXT_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::Stream current = c10::cuda::getCurrentCUDAStream(device.index());
+    for (const auto& g : grads) g.record_stream(current);
+  }
+#endif
+  // 2.
+  buf.div_(world);
+  // 3.
+  at::Tensor mine = buf.narrow(0, rank * per_rank, per_rank);
+  if (world > 1) reduce_scatter_into(group, mine, buf);
+  // 4.
+  if (averaging_scale != 0.0) mine.mul_(averaging_scale);
+  // 5.
+  int64_t reduced = 0;
+  off = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const int64_t n = grads[i].numel();
+    const int64_t len = std::max<int64_t>(0, std::min(chunk[i], n - rank * chunk[i]));
+    if (len > 0) {
+      at::Tensor part = mine.narrow(0, off, len);
+      at::Tensor dest = dests[i].reshape({-1}).narrow(0, 0, len);
+      if (part.scalar_type() != dest.scalar_type()) part = part.to(dest.scalar_type());
+      if (accumulate) {
+        dest.add_(part);
+      } else {
+        dest.copy_(part, /*non_blocking=*/true);
+      }
+      ++reduced;
+    }
+    off += chunk[i];
+  }
+  return {reduced, buf.numel()};
+}
+
+}  // namespace z3ext

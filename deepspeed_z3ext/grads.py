@@ -1,0 +1,211 @@
+"""Gradient reduce-scatter owned by z3ext: the mirror of gather/release ([Note: gradient path]).
+
+[Note: gradient path] Stock stage 3 copies each gradient into a preallocated contiguous bucket as
+autograd hands it over (`__add_grad_to_ipg_bucket`: a copy, a stream wait and a dozen Python calls per
+parameter), copies the bucket again into an interleaved buffer to reduce-scatter it
+(`reduce_scatter_coalesced`), and copies or adds each partition in Python (`partition_grads`).
+z3ext keeps DeepSpeed's gradient hooks and everything they decide (hook counting, the epilogue,
+reentrant checkpoint phases, leaf modules, `ds_grad_is_ready`) and replaces the two calls behind them
+(seams.py): a gradient is only noted in the engine's `GradBucket`; when the next one would take the
+bucket past `reduce_bucket_size` elements or into another process group, and at the backward's
+epilogue, one C++ call (`reduce_scatter_grads`, csrc/reduce.h) lays the bucket out for the collective
+(the one copy), reduce-scatters it and writes this rank's gradient partitions, bit for bit what stock
+writes ([Note: gradient arithmetic]); then the full gradients are released. DeepSpeed's bucket buffer
+(`reduce_bucket_size` elements, allocated at initialize) is freed: between flushes the gradients
+autograd made are the bucket. On CUDA the work runs on DeepSpeed's reduce stream, waited for by
+stock's epilogue; at most two flushes are in flight, as in stock.
+DeepSpeed's path is kept, logged once with the reason, for optimizer offload (its partitions
+live in host or NVMe buffers written at the accumulation boundary), ZeRO++ qgZ, `reduce_scatter:
+false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, and
+`z3ext.reduce_gradients: false`.
+"""
+import collections
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import log_dist
+
+from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.errors import Z3extError
+from deepspeed_z3ext.state import group_of, of_optimizer, of_param
+
+_MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
+
+
+class GradReduceStats(NamedTuple):
+    flushes: int          # buckets reduced (one reduce-scatter each on more than one rank)
+    reduced_params: int   # gradients written into this rank's partitions (a parameter once per flush)
+    accumulating_flushes: int  # flushes that added to the partitions (gradient accumulation)
+    bucket_elements: int  # elements noted and not yet reduced
+
+
+def stock_path_reason(optimizer, state) -> Optional[str]:
+    """Why this engine's gradients stay on DeepSpeed's path, or None when z3ext reduces them."""
+    if not state.config.reduce_gradients:
+        return "z3ext.reduce_gradients is false"
+    if getattr(optimizer, "offload_optimizer", False):
+        return "zero_optimization.offload_optimizer (partitions are written to host/NVMe at the boundary)"
+    if getattr(optimizer, "all2all_process_group", None) is not None:
+        return "zero_optimization.zero_quantized_gradients (ZeRO++ qgZ)"
+    if not getattr(optimizer, "reduce_scatter", True):
+        return "zero_optimization.reduce_scatter is false (all-reduce path)"
+    if getattr(optimizer, "autoep_folding_tp_group", None) is not None:
+        return "AutoEP with AutoTP folding"
+    if any(not state.owns(p) for group in optimizer.fp16_groups for p in group):
+        return "the optimizer holds parameters of no z3ext engine"
+    return None
+
+
+class GradBucket:
+    """Gradients noted since the last flush: one process group, at most `reduce_bucket_size` elements
+    (a single larger gradient goes alone, as in stock)."""
+
+    __slots__ = ("params", "elements", "group", "ids")
+
+    def __init__(self):
+        self.params, self.elements, self.group, self.ids = [], 0, None, set()
+
+    def clear(self):
+        self.params, self.elements, self.group, self.ids = [], 0, None, set()
+
+
+class GradReducer:
+    """One engine's gradient path ([Note: gradient path]); created at the engine's first gradient."""
+
+    def __init__(self, optimizer, state):
+        self._optimizer = weakref.ref(optimizer)
+        self.bucket = GradBucket()
+        self.bucket_size = optimizer.reduce_bucket_size
+        self.comm_dtype = optimizer.communication_data_type
+        self._events = collections.deque()
+        self._on_device = not get_accelerator().is_synchronized_device()
+        self._n_flushes = 0
+        self._n_reduced = 0
+        self._n_accumulating = 0
+        # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
+        for bucket in optimizer.ipg_buckets.values():
+            if bucket.buffer is not None:
+                bucket.buffer = bucket.buffer.new_empty(0)
+
+    def stats(self) -> GradReduceStats:
+        return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self.bucket.elements)
+
+    def note(self, param):
+        """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
+        bucket past its size or into another group, then note its gradient."""
+        bucket = self.bucket
+        group = group_of(param)
+        if bucket.params and (bucket.group is not group or bucket.elements + param.ds_numel > self.bucket_size):
+            self.flush()
+        if not getattr(param, "ds_grad_is_ready", True):
+            return  # a transient gradient of a tiled computation: stock skips it too
+        grad = param.grad
+        if grad is None or grad.numel() != param.ds_numel:
+            raise Z3extError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {param.ds_id} "
+                             f"(shape {tuple(param.ds_shape)}): it has "
+                             f"{'no gradient' if grad is None else f'{grad.numel()} elements, not {param.ds_numel}'}")
+        if param.ds_id in bucket.ids:
+            raise Z3extError(f"z3ext: the gradient of parameter ds_id {param.ds_id} (shape {tuple(param.ds_shape)}) "
+                             "arrived twice before its reduction")
+        bucket.params.append(param)
+        bucket.ids.add(param.ds_id)
+        bucket.elements += grad.numel()
+        bucket.group = group
+
+    @torch.no_grad()
+    def flush(self):
+        """Reduce-scatters the bucket into the optimizer's gradient partitions, releases the gradients."""
+        bucket = self.bucket
+        if not bucket.params:
+            return
+        optimizer = self._optimizer()
+        params = sorted(bucket.params, key=lambda p: p.ds_id)  # the same layout on every rank
+        bucket.clear()
+        partitions = private.grad_partitions(optimizer)
+        group = group_of(params[0])
+        world = torch.distributed.get_world_size(group)
+        rank = torch.distributed.get_rank(group)
+        averaging = optimizer._gradient_averaging_world_size(params, world)
+        scale = world / float(averaging) if averaging != world else 0.0
+        grads = [p.grad for p in params]
+        dests = [partitions[p.ds_id] for p in params]
+        accumulate = optimizer.micro_step_id != 0
+        if self._on_device:
+            stream = optimizer.reduce_and_partition_stream
+            while self._events and self._events[0].query():
+                self._events.popleft()
+            if len(self._events) >= _MAX_IN_FLIGHT:
+                self._events.popleft().synchronize()
+            stream.wait_stream(get_accelerator().current_stream())
+            with get_accelerator().stream(stream):
+                reduced, _ = ops().reduce_scatter_grads(group, grads, dests, rank, world, self.comm_dtype, scale,
+                                                        accumulate)
+                event = get_accelerator().Event()
+                event.record()
+                self._events.append(event)
+        else:
+            reduced, _ = ops().reduce_scatter_grads(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+        boundary_ids = optimizer._offload_boundary_param_ids
+        for p in params:
+            p.grad = None
+            boundary_ids.add(p.ds_id)
+        self._n_flushes += 1
+        self._n_reduced += reduced
+        self._n_accumulating += accumulate
+
+    def drop_stale(self):
+        """The optimizer step's start: gradients noted and never reduced are dropped, as stock clears
+        its buckets there (a reentrant-checkpoint backward can leave some)."""
+        for p in self.bucket.params:
+            p.grad = None
+        self.bucket.clear()
+
+
+def reducer_of(optimizer, param=None) -> Optional[GradReducer]:
+    """The engine's GradReducer, created at its first use; None when DeepSpeed's path is kept."""
+    state = of_param(param) if param is not None else of_optimizer(optimizer)
+    if state is None:
+        return None
+    reducer = state.grad_reducer
+    if reducer is None:
+        reason = stock_path_reason(optimizer, state)
+        if reason is not None:
+            log_dist(f"z3ext: gradients reduced by DeepSpeed's stage-3 path: {reason}", ranks=[0])
+            reducer = state.grad_reducer = False
+        else:
+            reducer = state.grad_reducer = GradReducer(optimizer, state)
+    return reducer or None
+
+
+# -- seams (seams.py): each falls through to DeepSpeed's method when z3ext does not reduce ---------
+def note_gradient(stock):
+    def reduce_independent_p_g_buckets_and_remove_grads(self, param):
+        reducer = reducer_of(self, param)
+        if reducer is None:
+            return stock(self, param)
+        reducer.note(param)
+
+    return reduce_independent_p_g_buckets_and_remove_grads
+
+
+def epilogue(stock):
+    def independent_gradient_partition_epilogue(self):
+        reducer = reducer_of(self)
+        if reducer is not None:
+            reducer.flush()
+        return stock(self)
+
+    return independent_gradient_partition_epilogue
+
+
+def pre_step(stock):
+    def _pre_step(self):
+        reducer = reducer_of(self)
+        if reducer is not None:
+            reducer.drop_stale()
+        return stock(self)
+
+    return _pre_step

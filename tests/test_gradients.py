@@ -1,0 +1,138 @@
+"""z3ext's gradient path ([Note: gradient path] in grads.py, csrc/reduce.h) against stock ZeRO-3 on 2
+real gloo ranks: after every backward the optimizer's gradient partitions, and at the end the losses
+and parameters, are bitwise equal (torch.equal), with gradient accumulation on and off, several
+flushes per backward, clipping, fp32 communication of bf16 gradients, fp16 loss scaling (GPU), and the
+configurations that keep DeepSpeed's path. The model's ops save the parameter itself (addmm, bmm, conv1d,
+an LSTM, a module applied twice: tests/test_backward_integrity.py's Net)."""
+import pytest
+
+from tests.harness import run_on_ranks
+from tests.test_backward_integrity import SEQ, VOCAB, _model
+
+# name -> (DeepSpeed config additions, zero_optimization additions, z3ext options, gradient accumulation)
+CASES = {
+    "ga1": ({}, {}, {}, 1),
+    "ga3": ({}, {}, {}, 3),
+    "small-bucket": ({}, {"reduce_bucket_size": 300}, {}, 2),
+    "clip": ({"gradient_clipping": 1e-3}, {}, {}, 2),
+    "bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {}, {}, 2),
+    "stock-path": ({}, {}, {"reduce_gradients": False}, 2),
+    "reduce-scatter-off": ({}, {"reduce_scatter": False}, {}, 2),  # stock's all-reduce path: kept
+    # DeepSpeed refuses fp16 on CPU: GPU only (test_gradient_path_on_gpu).
+    "fp16-loss-scale": ({"fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}}, {}, {}, 2),
+}
+STOCK_PATH = ("stock-path", "reduce-scatter-off")
+
+
+def _config(z3ext, extra, zero_extra, options, ga):
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **zero_extra}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "zero_optimization": zero,
+           **extra}
+    if z3ext:
+        cfg["z3ext"] = {"enabled": True, **options}
+    return cfg
+
+
+def _tokens(i, rank):
+    import torch
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return tokens.cuda() if dist.get_backend() == "nccl" else tokens
+
+
+def train_both(case, steps=4):
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    import deepspeed_z3ext  # noqa: F401
+    from deepspeed_z3ext import deepspeed_private
+    from deepspeed_z3ext.state import of_optimizer
+    from tests.models import full_params
+
+    extra, zero_extra, options, ga = CASES[case]
+    rank = dist.get_rank()
+    torch.backends.cudnn.deterministic = True  # GPU: conv and LSTM kernels
+    runs = {}
+    for name in ("stock", "z3ext"):
+        cfg = _config(name == "z3ext", extra, zero_extra, options, ga)
+        torch.manual_seed(11)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = _model()()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        dtype = next(engine.module.parameters()).dtype
+        losses, partitions = [], []
+        for i in range(steps * ga):
+            loss = -engine(_tokens(i, rank)).float().mean()  # engine.forward every micro-step: accumulation runs
+            engine.backward(loss)
+            parts = deepspeed_private.grad_partitions(engine.optimizer)
+            partitions.append([parts[k].detach().clone() for k in sorted(parts)])  # ds_id order: the model's
+            engine.step()
+            losses.append(loss.item())
+        state = of_optimizer(engine.optimizer)
+        reducer = state.grad_reducer if state is not None else None
+        runs[name] = dict(losses=losses, partitions=partitions, params=full_params(engine),
+                          stats=reducer.stats()._asdict() if reducer else None,
+                          bucket_numel=[b.buffer.numel() for b in engine.optimizer.ipg_buckets.values()
+                                        if b.buffer is not None],
+                          skipped=getattr(engine, "skipped_steps", 0), dtype=str(dtype))
+        engine.destroy()
+    stock, z3 = runs["stock"], runs["z3ext"]
+    partition_diffs = [(i, k) for i, (a, b) in enumerate(zip(stock["partitions"], z3["partitions"]))
+                       for k in range(max(len(a), len(b))) if len(a) != len(b) or not torch.equal(a[k], b[k])]
+    mismatched = [n for n in stock["params"] if not torch.equal(stock["params"][n], z3["params"][n])]
+    return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], partition_diffs=partition_diffs,
+                n_partitions=sum(len(p) for p in z3["partitions"]), mismatched=mismatched, stats=z3["stats"],
+                stock_bucket=stock["bucket_numel"], z3_bucket=z3["bucket_numel"], skipped=(stock["skipped"], z3["skipped"]),
+                dtype=z3["dtype"])
+
+
+def check(results, case):
+    extra, zero_extra, options, ga = CASES[case]
+    for rank, r in enumerate(results):
+        assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ:\n{r['stock_losses']}\n{r['z3_losses']}"
+        assert r["n_partitions"] > 0
+        assert not r["partition_diffs"], f"rank {rank}: gradient partitions differ at (backward, parameter index) {r['partition_diffs'][:8]}"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+        assert r["skipped"][0] == r["skipped"][1]
+        if case in STOCK_PATH:
+            assert r["stats"] is None, f"z3ext reduced gradients although {case} keeps DeepSpeed's path"
+            assert r["z3_bucket"] == r["stock_bucket"]
+            continue
+        # z3ext's path ran, and ran what the case is about.
+        st = r["stats"]
+        assert st is not None and st["flushes"] > 0 and st["reduced_params"] > 0 and st["bucket_elements"] == 0, st
+        backwards = len(r["z3_losses"])
+        if ga > 1:
+            assert st["accumulating_flushes"] > 0, f"no flush accumulated into the partitions: {st}"
+        else:
+            assert st["accumulating_flushes"] == 0, st
+        if "reduce_bucket_size" in zero_extra:
+            assert st["flushes"] > 2 * backwards, f"expected several flushes per backward: {st}"
+        else:
+            assert st["flushes"] == backwards, f"expected one flush per backward: {st}"
+        # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
+        assert r["stock_bucket"] and all(n > 0 for n in r["stock_bucket"]) and all(n == 0 for n in r["z3_bucket"])
+    if "fp16" in case:
+        assert results[0]["skipped"][1] > 0, "the loss scale never overflowed: the overflow path was not exercised"
+    if "bf16" in case or "fp16" in case:
+        assert results[0]["dtype"] != "torch.float32"
+    assert results[0]["z3_losses"][0] != results[0]["z3_losses"][-1]  # it trained
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "fp16-loss-scale"])
+def test_gradient_path_bitwise_equal_to_stock(case):
+    check(run_on_ranks(train_both, case=case, timeout=400), case)
+
+
+def _on_gpu(world):
+    return [pytest.param(world, marks=pytest.mark.gpus(world))]
+
+
+@pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "fp16-loss-scale"])
+def test_gradient_path_on_gpu(case, world):
+    """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
+    the same arithmetic; two: a two-operand sum, the same in any order)."""
+    check(run_on_ranks(train_both, world_size=world, backend="nccl", case=case, timeout=400), case)
