@@ -5,6 +5,8 @@
 #   bash bench/device_run.sh tests   # CUDA build, DeepCompile's op, pytest -m gpu (needs 2 GPUs)
 #   bash bench/device_run.sh hf      # HF recipe: step time, peak memory, losses (stock, z3ext, nohold)
 #   bash bench/device_run.sh bench   # stock / z3ext / FSDP2 side by side (--rounds 2)
+#   bash bench/device_run.sh grads   # gradient path: pytest -m gpu tests/test_gradients.py, then stock /
+#                                    # z3ext / z3ext-dsgrads / FSDP2 / unsharded on two shapes (all GPUs)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -24,6 +26,17 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20
+fi
+if [[ $what == grads || $what == grads-tests ]]; then
+  python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -12
+fi
+if [[ $what == grads || $what == grads-bench ]]; then
+  # The 0.94B GPT, and a shape with more, narrower layers and another token count (chosen before tuning).
+  systems=unsharded,stock,z3ext,z3ext-dsgrads,fsdp2
+  python3 bench/gather_release.py --rounds 2 --systems $systems --out "$LOG/bench-gpt.json" 2>&1 |
+    tee "$LOG/bench-gpt.log" | tail -24
+  python3 bench/gather_release.py --rounds 2 --systems $systems --layers 32 --hidden 1024 --seq 1024 \
+    --micro-batch 4 --out "$LOG/bench-narrow.json" 2>&1 | tee "$LOG/bench-narrow.log" | tail -24
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30

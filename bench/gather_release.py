@@ -27,7 +27,8 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # "<system>-mel": the system under DeepSpeed's process-wide linear replacement ([Note: bench linear]):
 # DeepSpeed's defaults for stock and z3ext; for FSDP2 and unsharded, what a process that ran zero.Init
 # gets. Optional: "z3ext-nohold" (hold_for_backward off: re-gathers in backward), "z3ext-nopool"
-# (pool_budget_mb 0: released buffers go back to torch's allocator), "z3ext@N" (the sweep).
+# (pool_budget_mb 0: released buffers go back to torch's allocator), "z3ext-dsgrads" (gradients reduced
+# by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext@N" (the sweep).
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -138,9 +139,10 @@ def build_system(name, a, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    # name = base[@bucket][-variant...]; variants: mel (any system), nohold and nopool (z3ext)
+    # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool and dsgrads (z3ext:
+    # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false)
     base, *variants = name.split("-")
-    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool")]
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     mel = "mel" in variants
@@ -150,6 +152,8 @@ def build_system(name, a, device):
         options = dict(hold_for_backward="nohold" not in variants)
         if "nopool" in variants:
             options["pool_budget_mb"] = 0
+        if "dsgrads" in variants:
+            options["reduce_gradients"] = False
         cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)
@@ -292,6 +296,10 @@ def parse(argv=None):
     p.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on CPU)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>.json)")
     p.add_argument("--smoke", action="store_true", help="tiny and fast (CI)")
+    p.add_argument("--isolated", action="store_true",
+                   help="each system in its own processes, one after another (a 6.6B model fits one system at a "
+                        "time); no interleaving, so compare only runs made back to back")
+    p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # one system of an --isolated run
     a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.steps, a.rounds, a.warmup = min(a.layers, 20), 2, 1, 1
@@ -405,6 +413,7 @@ def run(a):
     # steps as "base" instead would favour a system that holds more between steps than at build
     # (stock keeps what its no_grad forward gathered until the next forward).
     held = {n: s.resident for n, s in systems.items()}
+    steps_run = {n: 0 for n in systems}
 
     def allocated():
         if device.type != "cuda":
@@ -416,6 +425,7 @@ def run(a):
         for n, s in systems.items():  # interleaved: every round runs every system
             before = allocated()
             for _ in range(a.warmup if rnd == 0 else 0):
+                steps_run[n] += 1
                 time_train_step(s, x, clock)
                 time_tiny_forward(s, tiny, clock)
             held[n] += allocated() - before
@@ -424,6 +434,7 @@ def run(a):
                 torch.cuda.reset_peak_memory_stats()
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
+                    steps_run[n] += 1
                     f, b, o = time_train_step(s, x, clock)
                     samples[n]["fwd"].append(f)
                     samples[n]["bwd"].append(b)
@@ -452,6 +463,10 @@ def run(a):
             st = deepspeed_z3ext.stats(systems[n].model)
             med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
             med["z3ext_collectives"] = st.collectives
+            grads = deepspeed_z3ext.grad_stats(systems[n].model)
+            if grads is not None:  # z3ext's gradient path: host ms per step in its flushes
+                med["grad_flushes_per_step"] = grads.flushes / steps_run[n]
+                med["grad_host_ms_per_step"] = grads.host_seconds * 1e3 / steps_run[n]
         result["systems"][n] = med
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
@@ -497,7 +512,7 @@ def table(res, machine):
     if "z3ext" in s:
         z = s["z3ext"]
         ratios = []
-        for other in ("stock", "stock-mel", "fsdp2", "unsharded"):
+        for other in ("stock", "stock-mel", "z3ext-dsgrads", "fsdp2", "unsharded"):
             if other in s:
                 ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
                               f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x")
@@ -507,6 +522,10 @@ def table(res, machine):
             if n in s:
                 lines.append(f"  {n}: host {s[n]['us_per_unit_tiny_fwd']:.1f} us per fetch unit, "
                              f"{s[n]['us_per_param_tiny_fwd']:.1f} us per parameter (tiny forward)")
+        for n, m in s.items():
+            if "grad_host_ms_per_step" in m:
+                lines.append(f"  {n}: gradient path {m['grad_flushes_per_step']:.1f} flushes, "
+                             f"{m['grad_host_ms_per_step']:.2f} host ms per step")
     lines += targets(res)
     return "\n".join(lines)
 
@@ -568,23 +587,75 @@ def _entry(a):
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                auto_mpi_discovery=False)
     res = run(a)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and a.part:
+        Path(a.out).write_text(json.dumps(res))
+    elif dist.get_rank() == 0:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         machine = machine_name(dist.get_world_size(), device)
         res["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__,
                               deepspeed=deepspeed.__version__, python=platform.python_version(),
                               nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                               driver=_driver(), cpu=platform.processor() or platform.machine())
-        out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{machine}{'-smoke' if a.smoke else ''}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
-        png = plot(res, out.with_suffix(".png"))
-        if device.type == "cpu":
-            print("# CPU run: gloo ranks on CPU show host overhead only, not GPU behaviour")
-        print(table(res, machine))
-        print(f"# wrote {out}" + (f" and {png}" if png else ""))
+        report(res, a, machine, device)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def report(res, a, machine, device):
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{machine}{'-smoke' if a.smoke else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    png = plot(res, out.with_suffix(".png"))
+    if device.type == "cpu":
+        print("# CPU run: gloo ranks on CPU show host overhead only, not GPU behaviour")
+    if a.isolated:
+        print("# --isolated: each system ran alone in its own processes, one after another (not interleaved)")
+    print(table(res, machine))
+    print(f"# wrote {out}" + (f" and {png}" if png else ""))
+
+
+def _without(argv, *options):
+    """argv minus each `--option VALUE` / `--option=VALUE` named."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not any(arg.startswith(o + "=") for o in options):
+            out.append(arg)
+    return out
+
+
+def run_isolated(a, argv, world):
+    """--isolated: one spawn per system (its own processes and GPU memory), results merged into one
+    report; the all-gather limit is the first system's measurement."""
+    import tempfile
+    names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
+    base = _without(argv, "--systems", "--sweep", "--out")
+    parts = []
+    with tempfile.TemporaryDirectory(prefix="z3ext-bench-") as tmp:
+        for n in names:
+            part = os.path.join(tmp, f"part{len(parts)}.json")
+            try:
+                spawn(_rank_main, base + ["--systems", n, "--sweep", "", "--out", part, "--part"], world)
+                parts.append(json.loads(Path(part).read_text()))
+            except Exception as e:  # e.g. out of memory: the other systems still run
+                parts.append(dict(systems={}, skipped={n: f"{type(e).__name__}: {e}"[:200]}))
+    measured = [p for p in parts if "limit" in p]
+    if not measured:
+        raise SystemExit(f"every system failed: {[p['skipped'] for p in parts]}")
+    merged = measured[0]
+    for p in parts:
+        if p is not merged:
+            merged["systems"].update(p["systems"])
+            merged["skipped"].update(p["skipped"])
+    merged["args"]["systems"], merged["args"]["isolated"] = a.systems, True
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    machine = machine_name(world, device)
+    merged["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__, python=platform.python_version(),
+                             driver=_driver(), cpu=platform.processor() or platform.machine())
+    report(merged, a, machine + "-isolated", device)
 
 
 def _driver():
@@ -623,7 +694,10 @@ def main(argv=None):
     if "RANK" in os.environ:  # under torchrun
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    spawn(_rank_main, sys.argv[1:] if argv is None else argv, world)
+    argv = sys.argv[1:] if argv is None else argv
+    if a.isolated:
+        return run_isolated(a, argv, world)
+    spawn(_rank_main, argv, world)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "collectives.h"
+#include "device.h"
 
 namespace z3ext {
 

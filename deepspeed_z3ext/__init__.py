@@ -13,7 +13,7 @@ from deepspeed_z3ext.claims import ClaimError, ClaimKind
 from deepspeed_z3ext.errors import AioError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.seams import install, installed, uninstall
-from deepspeed_z3ext.stats import Z3extStats, stats
+from deepspeed_z3ext.stats import Z3extStats, grad_stats, stats
 from deepspeed_z3ext import deepspeed_private as _private
 
 __version__ = "0.1.0"
@@ -22,5 +22,5 @@ _ops()  # build or load now, so a broken toolchain fails at import with instruct
 _private.check_version()
 install()
 
-__all__ = ["stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
+__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
            "FallbackStats", "aio_handle", "AioError", "install", "uninstall", "installed"]

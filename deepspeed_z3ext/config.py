@@ -95,10 +95,11 @@ def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
 # stage3_param_persistence_threshold, stage3_model_persistence_threshold, leaf_module
 # (z3_leaf_module). DeepSpeed's own code still runs them, so they work unchanged:
 # stage3_gather_16bit_weights_on_model_save (GatheredParameters, gathered.py), offload_param,
-# memory_efficient_linear, override_module_apply, pipeline_loading_checkpoint, and everything of the
-# gradients, optimizer and checkpoints (reduce_bucket_size, overlap_comm, contiguous_gradients,
-# sub_group_size, round_robin_gradients, zero_quantized_gradients, ...; overlap_comm's other use,
-# gathering on a side stream, z3ext always does on CUDA). allgather_partitions/allgather_bucket_size,
+# memory_efficient_linear, override_module_apply, pipeline_loading_checkpoint, the gradient hooks, the
+# optimizer and checkpoints (overlap_comm, sub_group_size, round_robin_gradients, ...; overlap_comm's
+# other use, gathering on a side stream, z3ext always does on CUDA). z3ext's gradient path (grads.py)
+# honours reduce_bucket_size and communication_data_type; contiguous_gradients needs no buffer there;
+# zero_quantized_gradients, reduce_scatter false and optimizer offload keep DeepSpeed's path. allgather_partitions/allgather_bucket_size,
 # ignore_unused_parameters, use_multi_rank_bucket_allreduce are stage 1/2 keys. The keys below ask for a
 # fetch behaviour z3ext does not have; they are accepted at DeepSpeed's default (which HF's
 # standard ZeRO-3 config uses: stage3_max_reuse_distance 1e9, the others absent) and refused at any

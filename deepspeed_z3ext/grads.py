@@ -20,6 +20,7 @@ false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, 
 `z3ext.reduce_gradients: false`.
 """
 import collections
+import time
 import weakref
 from typing import NamedTuple, Optional
 
@@ -39,6 +40,7 @@ class GradReduceStats(NamedTuple):
     flushes: int          # buckets reduced (one reduce-scatter each on more than one rank)
     reduced_params: int   # gradients written into this rank's partitions (a parameter once per flush)
     accumulating_flushes: int  # flushes that added to the partitions (gradient accumulation)
+    host_seconds: float   # host time spent in flushes (on CUDA: launching them)
     bucket_elements: int  # elements noted and not yet reduced
 
 
@@ -85,13 +87,15 @@ class GradReducer:
         self._n_flushes = 0
         self._n_reduced = 0
         self._n_accumulating = 0
+        self._host_s = 0.0
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
         for bucket in optimizer.ipg_buckets.values():
             if bucket.buffer is not None:
                 bucket.buffer = bucket.buffer.new_empty(0)
 
     def stats(self) -> GradReduceStats:
-        return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self.bucket.elements)
+        return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
+                               self.bucket.elements)
 
     def note(self, param):
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
@@ -121,6 +125,7 @@ class GradReducer:
         bucket = self.bucket
         if not bucket.params:
             return
+        t0 = time.perf_counter()
         optimizer = self._optimizer()
         params = sorted(bucket.params, key=lambda p: p.ds_id)  # the same layout on every rank
         bucket.clear()
@@ -155,6 +160,7 @@ class GradReducer:
         self._n_flushes += 1
         self._n_reduced += reduced
         self._n_accumulating += accumulate
+        self._host_s += time.perf_counter() - t0
 
     def drop_stale(self):
         """The optimizer step's start: gradients noted and never reduced are dropped, as stock clears

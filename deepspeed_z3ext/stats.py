@@ -46,3 +46,10 @@ def stats(engine) -> Z3extStats:
                       pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"],
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
+
+
+def grad_stats(engine):
+    """`GradReduceStats` of z3ext's gradient path for this engine ([Note: gradient path]); None while no
+    gradient has been reduced yet, or when DeepSpeed's path reduces them."""
+    reducer = state_of(engine).grad_reducer
+    return reducer.stats() if reducer else None
