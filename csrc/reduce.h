@@ -27,9 +27,20 @@ struct ReduceScatterResult {
   int64_t buffer_numel;
 };
 
+// Step 5: `copy_` (first micro-step) or `add_` (accumulation) of each part into its partition, as
+// multi-tensor kernels (elementwise, the same results as one op per tensor).
+inline void write_partitions(std::vector<at::Tensor>& dests, std::vector<at::Tensor>& parts, bool accumulate) {
+  if (dests.empty()) return;
+  if (accumulate) {
+    at::_foreach_add_(dests, parts);
+  } else {
+    at::_foreach_copy_(dests, parts, /*non_blocking=*/true);
+  }
+}
+
 // `grads[i]` is a full gradient (numel of the parameter), `dests[i]` this rank's gradient partition
-// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". Runs on the current stream;
-// on CUDA the gradients are marked as used by it (they were made on the compute stream).
+// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". Runs on the
+// current stream; on CUDA the gradients are marked as used by it (they were made on the compute stream).
 inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
                                                 at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
@@ -47,26 +58,50 @@ inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const
     per_rank += chunk[i];
   }
   const at::Device device = grads.front().device();
-  at::Tensor buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
-  // 1. rank-major layout; padding zeroed (stock leaves it uninitialised: it is summed and dropped).
-  int64_t off = 0;
-  for (int64_t r = 0; r < world; ++r) {
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const int64_t n = grads[i].numel();
-      const int64_t begin = std::min(r * chunk[i], n);
-      const int64_t len = std::min(chunk[i], n - begin);
-      at::Tensor flat = grads[i].reshape({-1});
-      if (len > 0) buf.narrow(0, off, len).copy_(flat.narrow(0, begin, len), /*non_blocking=*/true);
-      if (len < chunk[i]) buf.narrow(0, off + len, chunk[i] - len).zero_();
-      off += chunk[i];
-    }
-  }
 #ifdef Z3EXT_WITH_CUDA
   if (device.is_cuda()) {
     const c10::Stream current = c10::cuda::getCurrentCUDAStream(device.index());
     for (const auto& g : grads) g.record_stream(current);
   }
 #endif
+  std::vector<at::Tensor> flat(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) flat[i] = grads[i].reshape({-1});
+  // [Note: world of one] One rank: no collective and nothing to lay out; stock's `div_(1)` and
+  // averaging are exact identities, so each gradient goes straight into its partition (one
+  // multi-tensor kernel per dtype pair where dtypes allow).
+  if (world == 1 && averaging_scale == 0.0) {
+    std::vector<at::Tensor> srcs, dsts;
+    int64_t reduced = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (flat[i].numel() == 0) continue;
+      at::Tensor src = flat[i].scalar_type() == comm_dtype ? flat[i] : flat[i].to(comm_dtype);
+      at::Tensor dest = dests[i].reshape({-1}).narrow(0, 0, src.numel());
+      if (src.scalar_type() != dest.scalar_type()) src = src.to(dest.scalar_type());
+      srcs.push_back(src);
+      dsts.push_back(dest);
+      ++reduced;
+    }
+    write_partitions(dsts, srcs, accumulate);
+    return {reduced, 0};
+  }
+  at::Tensor buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
+  // 1. rank-major layout; padding zeroed (stock leaves it uninitialised: it is summed and dropped).
+  std::vector<at::Tensor> srcs, dsts;
+  int64_t off = 0;
+  for (int64_t r = 0; r < world; ++r) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const int64_t n = flat[i].numel();
+      const int64_t begin = std::min(r * chunk[i], n);
+      const int64_t len = std::min(chunk[i], n - begin);
+      if (len > 0) {
+        srcs.push_back(flat[i].narrow(0, begin, len));
+        dsts.push_back(buf.narrow(0, off, len));
+      }
+      if (len < chunk[i]) buf.narrow(0, off + len, chunk[i] - len).zero_();
+      off += chunk[i];
+    }
+  }
+  if (!dsts.empty()) at::_foreach_copy_(dsts, srcs, /*non_blocking=*/true);  // converts to comm_dtype
   // 2.
   buf.div_(world);
   // 3.
@@ -76,6 +111,7 @@ inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const
   if (averaging_scale != 0.0) mine.mul_(averaging_scale);
   // 5.
   int64_t reduced = 0;
+  std::vector<at::Tensor> parts, outs;
   off = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     const int64_t n = grads[i].numel();
@@ -84,15 +120,13 @@ inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const
       at::Tensor part = mine.narrow(0, off, len);
       at::Tensor dest = dests[i].reshape({-1}).narrow(0, 0, len);
       if (part.scalar_type() != dest.scalar_type()) part = part.to(dest.scalar_type());
-      if (accumulate) {
-        dest.add_(part);
-      } else {
-        dest.copy_(part, /*non_blocking=*/true);
-      }
+      parts.push_back(part);
+      outs.push_back(dest);
       ++reduced;
     }
     off += chunk[i];
   }
+  write_partitions(outs, parts, accumulate);
   return {reduced, buf.numel()};
 }
 

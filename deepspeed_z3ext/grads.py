@@ -14,6 +14,18 @@ writes ([Note: gradient arithmetic]); then the full gradients are released. Deep
 (`reduce_bucket_size` elements, allocated at initialize) is freed: between flushes the gradients
 autograd made are the bucket. On CUDA the work runs on DeepSpeed's reduce stream, waited for by
 stock's epilogue; at most two flushes are in flight, as in stock.
+[Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
+every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
+0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
+flat buffer (`grad_partitions_flat_buffer`, in sub-group order), so z3ext hands the optimizer a view
+of that buffer instead: the same values, no copy. The view is given only when the step's unscale
+(`unscale_and_clip_grads`: `grad.mul_(1 / combined_scale)`) multiplies by exactly 1 (no loss scale,
+and clipping configured off or not triggered: z3ext evaluates stock's clip coefficient from the
+norm the step stashed), since that in-place multiply would otherwise change the buffer itself, which
+holds what stock reuses for a parameter that gets no gradient in the next window. A buffer of another
+dtype than the master weights (bf16 gradient accumulation) is converted in one copy (stock: a flat
+copy, then its conversion). With Muon, or partitions that are not consecutive views (a parameter
+without requires_grad), DeepSpeed's copy runs.
 DeepSpeed's path is kept, logged once with the reason, for optimizer offload (its partitions
 live in host or NVMe buffers written at the accumulation boundary), ZeRO++ qgZ, `reduce_scatter:
 false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, and
@@ -41,6 +53,7 @@ class GradReduceStats(NamedTuple):
     reduced_params: int   # gradients written into this rank's partitions (a parameter once per flush)
     accumulating_flushes: int  # flushes that added to the partitions (gradient accumulation)
     host_seconds: float   # host time spent in flushes (on CUDA: launching them)
+    step_views: int       # optimizer sub-group steps given the gradient buffer (a view, or converted), not its flattened copy
     bucket_elements: int  # elements noted and not yet reduced
 
 
@@ -88,6 +101,8 @@ class GradReducer:
         self._n_reduced = 0
         self._n_accumulating = 0
         self._host_s = 0.0
+        self._n_views = 0
+        self._runs = {}  # (buffer data_ptr, sub-group) -> (offset, numel) of its consecutive views, or None
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
         for bucket in optimizer.ipg_buckets.values():
             if bucket.buffer is not None:
@@ -95,7 +110,7 @@ class GradReducer:
 
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
-                               self.bucket.elements)
+                               self._n_views, self.bucket.elements)
 
     def note(self, param):
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
@@ -162,12 +177,60 @@ class GradReducer:
         self._n_accumulating += accumulate
         self._host_s += time.perf_counter() - t0
 
+    def step_gradient(self, optimizer, sub_group_id):
+        """Sub-group `sub_group_id`'s gradient for the optimizer step without stock's flattening copy:
+        a view of the gradient buffer, or its conversion to the master weights' dtype; None where
+        DeepSpeed must flatten ([Note: step gradient view])."""
+        buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+        master = optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        if buffer is None or buffer.device != master.device or getattr(optimizer, "use_muon", False):
+            return None
+        converted = buffer.dtype != master.dtype  # a new tensor: the step's unscale cannot reach the buffer
+        if not converted and not _unscale_is_identity(optimizer):
+            return None
+        key = (buffer.data_ptr(), sub_group_id)
+        if key not in self._runs:
+            self._runs[key] = _consecutive_run(buffer, optimizer.averaged_gradients[sub_group_id])
+        run = self._runs[key]
+        if run is None or run[1] != master.numel():
+            return None
+        self._n_views += 1
+        view = buffer.narrow(0, run[0], run[1])
+        return view.to(master.dtype) if converted else view
+
     def drop_stale(self):
         """The optimizer step's start: gradients noted and never reduced are dropped, as stock clears
         its buckets there (a reentrant-checkpoint backward can leave some)."""
         for p in self.bucket.params:
             p.grad = None
         self.bucket.clear()
+
+
+def _unscale_is_identity(optimizer) -> bool:
+    """Whether stock's `unscale_and_clip_grads` will multiply by exactly 1: no loss scale, and its clip
+    coefficient `clamp((norm / loss_scale + 1e-6) / clip_grad, min=1)` is 1. `_global_grad_norm` is the
+    step's `norm / loss_scale`, computed by the same op on the same operands (stage3.py `step`)."""
+    if float(optimizer.loss_scale) != 1.0:
+        return False
+    if optimizer.clip_grad <= 0.0:
+        return True
+    norm = getattr(optimizer, "_global_grad_norm", None)
+    return norm is not None and bool((norm + 1e-6) / optimizer.clip_grad <= 1.0)
+
+
+def _consecutive_run(buffer, grads):
+    """(offset, numel) when `grads` are contiguous views of `buffer`, back to back in order; else None."""
+    if not grads:
+        return None
+    base = buffer.untyped_storage().data_ptr()
+    start = grads[0].storage_offset() - buffer.storage_offset()
+    offset = start
+    for g in grads:
+        if (g.untyped_storage().data_ptr() != base or not g.is_contiguous()
+                or g.storage_offset() - buffer.storage_offset() != offset):
+            return None
+        offset += g.numel()
+    return start, offset - start
 
 
 def reducer_of(optimizer, param=None) -> Optional[GradReducer]:
@@ -215,3 +278,15 @@ def pre_step(stock):
         return stock(self)
 
     return _pre_step
+
+
+def prepare_step_gradient(stock):
+    def _prepare_fp32_grad_for_sub_group(self, sub_group_id):
+        reducer = reducer_of(self)
+        view = reducer.step_gradient(self, sub_group_id) if reducer is not None else None
+        if view is None:
+            return stock(self, sub_group_id)
+        self.fp32_partitioned_groups_flat[sub_group_id].grad = view  # [Note: step gradient view]
+        self.averaged_gradients[sub_group_id] = None
+
+    return _prepare_fp32_grad_for_sub_group

@@ -97,6 +97,8 @@ def _table():
              "the backward's end flushes z3ext's gradient bucket before DeepSpeed's epilogue"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_pre_step", grads.pre_step,
              "the step drops gradients never reduced, as DeepSpeed clears its buckets there"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "_prepare_fp32_grad_for_sub_group", grads.prepare_step_gradient,
+             "the optimizer steps on a view of the gradient buffer, not a flattened copy ([Note: step gradient view])"),
     ]
 
 
