@@ -7,6 +7,7 @@
 #   bash bench/device_run.sh bench   # stock / z3ext / FSDP2 side by side (--rounds 2)
 #   bash bench/device_run.sh grads   # gradient path: pytest -m gpu tests/test_gradients.py, then stock /
 #                                    # z3ext / z3ext-dsgrads / FSDP2 / unsharded on two shapes (all GPUs)
+#   bash bench/device_run.sh step    # bench/step_breakdown.py: the optimizer step phase by phase
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -37,6 +38,9 @@ if [[ $what == grads || $what == grads-bench ]]; then
     tee "$LOG/bench-gpt.log" | tail -24
   python3 bench/gather_release.py --rounds 2 --systems $systems --layers 32 --hidden 1024 --seq 1024 \
     --micro-batch 4 --out "$LOG/bench-narrow.json" 2>&1 | tee "$LOG/bench-narrow.log" | tail -24
+fi
+if [[ $what == step ]]; then  # the optimizer step phase by phase (stock, z3ext before/after, FSDP2)
+  python3 bench/step_breakdown.py --systems stock,z3ext-dsgrads,z3ext,fsdp2 --steps 5 2>&1 | tee "$LOG/step.log" | tail -18
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
