@@ -136,6 +136,7 @@ def _opt(params, a, device):
 
 def build_system(name, a, device):
     import deepspeed
+    import deepspeed_z3ext  # noqa: F401  (its seams must be installed before deepspeed.initialize)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0

@@ -54,7 +54,7 @@ def run(a):
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x = gr.make_input(a, device)
     clock = gr.Clock(device)
-    rows, peaks = {}, {}
+    rows, peaks, notes = {}, {}, {}
     for name in [s for s in a.systems.split(",") if s]:
         s = gr.build_system(name, a, device)
         opt = getattr(s.model, "optimizer", None)
@@ -79,10 +79,16 @@ def run(a):
                 if device.type == "cuda":
                     peaks.setdefault(name, []).append((torch.cuda.max_memory_allocated() - base) / 2**20)
         rows[name] = {k: statistics.median(d.get(k, 0.0) for d in per_step) for k in set().union(*per_step)}
+        if name.startswith("z3ext"):
+            import deepspeed_z3ext
+            from deepspeed_z3ext.state import of_optimizer
+            reducer = of_optimizer(opt).grad_reducer
+            notes[name] = (f"{deepspeed_z3ext.grad_stats(s.model)}; last copy: {reducer.step_copy_reason}" if reducer
+                           else "DeepSpeed's gradient path")
         del s
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows, peaks, dist.get_rank()
+    return rows, peaks, notes, dist.get_rank()
 
 
 def main(argv=None):
@@ -101,7 +107,7 @@ def _rank_main(argv):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False)
-    rows, peaks, rank = run(a)
+    rows, peaks, notes, rank = run(a)
     if rank == 0:
         names = list(rows)
         keys = [k for k in PHASES + ("optimizer.step + zero_grad", "step") if any(k in r for r in rows.values())]
@@ -113,6 +119,8 @@ def _rank_main(argv):
         if peaks:
             print(f"{'peak MiB allocated during step (over before)':>45} " +
                   " ".join(f"{statistics.median(peaks[n]):14.0f}" if n in peaks else f"{'-':>14}" for n in names))
+        for n, note in notes.items():
+            print(f"# {n}: {note}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -103,6 +103,7 @@ class GradReducer:
         self._host_s = 0.0
         self._n_views = 0
         self._runs = {}  # (buffer data_ptr, sub-group) -> (offset, numel) of its consecutive views, or None
+        self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
         for bucket in optimizer.ipg_buckets.values():
             if bucket.buffer is not None:
@@ -183,16 +184,20 @@ class GradReducer:
         DeepSpeed must flatten ([Note: step gradient view])."""
         buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
         master = optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        converted = buffer is not None and buffer.dtype != master.dtype  # a new tensor: the unscale cannot reach the buffer
         if buffer is None or buffer.device != master.device or getattr(optimizer, "use_muon", False):
+            self.step_copy_reason = "no gradient buffer on the master weights' device, or Muon"
             return None
-        converted = buffer.dtype != master.dtype  # a new tensor: the step's unscale cannot reach the buffer
         if not converted and not _unscale_is_identity(optimizer):
+            self.step_copy_reason = "the step's unscale multiplies (a loss scale, or clipping triggered)"
             return None
         key = (buffer.data_ptr(), sub_group_id)
         if key not in self._runs:
             self._runs[key] = _consecutive_run(buffer, optimizer.averaged_gradients[sub_group_id])
         run = self._runs[key]
         if run is None or run[1] != master.numel():
+            self.step_copy_reason = (f"sub-group {sub_group_id}'s partitions are not consecutive views of the buffer "
+                                     f"({run}, master {master.numel()} elements)")
             return None
         self._n_views += 1
         view = buffer.narrow(0, run[0], run[1])
