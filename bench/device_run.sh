@@ -41,6 +41,8 @@ if [[ $what == grads || $what == grads-bench ]]; then
 fi
 if [[ $what == step ]]; then  # the optimizer step phase by phase (stock, z3ext before/after, FSDP2)
   python3 bench/step_breakdown.py --systems stock,z3ext-dsgrads,z3ext,fsdp2 --steps 5 2>&1 | tee "$LOG/step.log" | tail -18
+  python3 bench/step_breakdown.py --systems stock,z3ext-dsgrads,z3ext,fsdp2 --steps 5 --gradient-clipping 0 2>&1 |
+    tee "$LOG/step-noclip.log" | tail -18
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30

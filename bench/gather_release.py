@@ -116,6 +116,8 @@ def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None, mel=False):
     }
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if a.gradient_clipping is not None:
+        cfg["gradient_clipping"] = a.gradient_clipping
     if z3ext:
         cfg["z3ext"] = dict(enabled=True, **(z3ext_options or {}))
     return cfg
@@ -296,6 +298,9 @@ def parse(argv=None):
                    help="DeepSpeed's zero_optimization.memory_efficient_linear for stock and z3ext (default off)")
     p.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on CPU)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>.json)")
+    p.add_argument("--gradient-clipping", type=float, default=None,
+                   help="DeepSpeed's gradient_clipping for stock and z3ext (default: DeepSpeed's, 1.0); FSDP2 and "
+                        "unsharded never clip")
     p.add_argument("--smoke", action="store_true", help="tiny and fast (CI)")
     p.add_argument("--isolated", action="store_true",
                    help="each system in its own processes, one after another (a 6.6B model fits one system at a "

@@ -1,6 +1,6 @@
 """Where the optimizer step's time goes, phase by phase, for DeepSpeed's stage-3 step under each system.
 
-    python bench/step_breakdown.py [--systems stock,z3ext-dsgrads,z3ext] [gather_release options]
+    python bench/step_breakdown.py [--systems stock,z3ext-dsgrads,z3ext] [--gradient-clipping 0] [gather_release options]
 
 Same model, data and ranks as bench/gather_release.py. Each phase of `DeepSpeedZeroOptimizer_Stage3.step`
 is wrapped on the optimizer instance with a device synchronisation before and after (so phases do

@@ -22,7 +22,8 @@ of that buffer instead: the same values, no copy. The view is given only when th
 (`unscale_and_clip_grads`: `grad.mul_(1 / combined_scale)`) multiplies by exactly 1 (no loss scale,
 and clipping configured off or not triggered: z3ext evaluates stock's clip coefficient from the
 norm the step stashed), since that in-place multiply would otherwise change the buffer itself, which
-holds what stock reuses for a parameter that gets no gradient in the next window. A buffer of another
+holds what stock reuses for a parameter that gets no gradient in the next window. An unscale that
+multiplies by exactly 1 is not run at all (it would rewrite every gradient element with itself). A buffer of another
 dtype than the master weights (bf16 gradient accumulation) is converted in one copy (stock: a flat
 copy, then its conversion). With Muon, or partitions that are not consecutive views (a parameter
 without requires_grad), DeepSpeed's copy runs.
@@ -54,6 +55,7 @@ class GradReduceStats(NamedTuple):
     accumulating_flushes: int  # flushes that added to the partitions (gradient accumulation)
     host_seconds: float   # host time spent in flushes (on CUDA: launching them)
     step_views: int       # optimizer sub-group steps given the gradient buffer (a view, or converted), not its flattened copy
+    unscales_skipped: int  # sub-group unscales that would have multiplied by exactly 1, not run
     bucket_elements: int  # elements noted and not yet reduced
 
 
@@ -102,6 +104,7 @@ class GradReducer:
         self._n_accumulating = 0
         self._host_s = 0.0
         self._n_views = 0
+        self._n_unscales_skipped = 0
         self._runs = {}  # (buffer data_ptr, sub-group) -> (offset, numel) of its consecutive views, or None
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
@@ -111,7 +114,7 @@ class GradReducer:
 
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
-                               self._n_views, self.bucket.elements)
+                               self._n_views, self._n_unscales_skipped, self.bucket.elements)
 
     def note(self, param):
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
@@ -295,3 +298,14 @@ def prepare_step_gradient(stock):
         self.averaged_gradients[sub_group_id] = None
 
     return _prepare_fp32_grad_for_sub_group
+
+
+def unscale(stock):
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        reducer = reducer_of(self)
+        if reducer is not None and _unscale_is_identity(self):
+            reducer._n_unscales_skipped += 1  # `grad.mul_(1.0)` changes no bit ([Note: step gradient view])
+            return
+        return stock(self, sub_group_id, total_norm)
+
+    return unscale_and_clip_grads

@@ -99,6 +99,8 @@ def _table():
              "the step drops gradients never reduced, as DeepSpeed clears its buckets there"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_prepare_fp32_grad_for_sub_group", grads.prepare_step_gradient,
              "the optimizer steps on a view of the gradient buffer, not a flattened copy ([Note: step gradient view])"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "unscale_and_clip_grads", grads.unscale,
+             "an unscale by exactly 1 (no loss scale, no clipping triggered) is skipped"),
     ]
 
 

@@ -131,6 +131,11 @@ def check(results, case):
             assert st["step_views"] == 0, st
         else:
             assert st["step_views"] == steps_taken, st
+        # The unscale is skipped exactly when it would multiply by 1: no loss scale, clipping off or untriggered.
+        if case in ("clip", "fp16-loss-scale"):
+            assert st["unscales_skipped"] == 0, st
+        else:
+            assert st["unscales_skipped"] == steps_taken, st
         # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
         assert r["stock_bucket"] and all(n > 0 for n in r["stock_bucket"]) and all(n == 0 for n in r["z3_bucket"])
     if "fp16" in case:
