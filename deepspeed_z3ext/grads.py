@@ -131,8 +131,11 @@ class GradReducer:
                              f"(shape {tuple(param.ds_shape)}): it has "
                              f"{'no gradient' if grad is None else f'{grad.numel()} elements, not {param.ds_numel}'}")
         if param.ds_id in bucket.ids:
-            raise Z3extError(f"z3ext: the gradient of parameter ds_id {param.ds_id} (shape {tuple(param.ds_shape)}) "
-                             "arrived twice before its reduction")
+            # Noted already and not reduced yet: a backward that raised part-way left it (its epilogue never
+            # ran) and a retry's backward accumulated into the same `.grad`, as autograd does without ZeRO.
+            # The bucket holds that tensor: the sum is reduced once (stock appends it twice and would trip its
+            # duplicate assertion at the flush).
+            return
         bucket.params.append(param)
         bucket.ids.add(param.ds_id)
         bucket.elements += grad.numel()

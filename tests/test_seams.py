@@ -21,6 +21,11 @@ SEAMS = [  # (module, class, attribute): what seams.py replaces
     ("deepspeed.compile.z3_eager_fallback", "DeepCompileZ3EagerFallback", "__new__"),
     ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper", "__new__"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_rigid_load_state_dict"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "reduce_independent_p_g_buckets_and_remove_grads"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "independent_gradient_partition_epilogue"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_pre_step"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads"),
 ]
 
 
