@@ -10,7 +10,7 @@ from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
 from deepspeed_z3ext.claims import ClaimError, ClaimKind
-from deepspeed_z3ext.errors import AioError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.errors import AioError, GradientError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.seams import install, installed, uninstall
 from deepspeed_z3ext.stats import Z3extStats, grad_stats, stats
@@ -22,5 +22,5 @@ _ops()  # build or load now, so a broken toolchain fails at import with instruct
 _private.check_version()
 install()
 
-__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "ClaimError", "ClaimKind", "fallback_of",
+__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
            "FallbackStats", "aio_handle", "AioError", "install", "uninstall", "installed"]

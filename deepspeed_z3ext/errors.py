@@ -13,3 +13,8 @@ class Z3extConfigError(Z3extError, ValueError):
 
 class AioError(Z3extError, OSError):
     """A read or write the filesystem refused or could not complete; the message names file and offset."""
+
+
+class GradientError(Z3extError, RuntimeError):
+    """A gradient z3ext cannot reduce-scatter (missing, or not the parameter's size); the message names
+    the parameter. A RuntimeError, as DeepSpeed's own "Cannot reduce scatter gradients" is."""

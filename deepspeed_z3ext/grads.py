@@ -14,6 +14,7 @@ writes ([Note: gradient arithmetic]); then the full gradients are released. Deep
 (`reduce_bucket_size` elements, allocated at initialize) is freed: between flushes the gradients
 autograd made are the bucket. On CUDA the work runs on DeepSpeed's reduce stream, waited for by
 stock's epilogue; at most two flushes are in flight, as in stock.
+
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
 0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
@@ -22,11 +23,13 @@ of that buffer instead: the same values, no copy. The view is given only when th
 (`unscale_and_clip_grads`: `grad.mul_(1 / combined_scale)`) multiplies by exactly 1 (no loss scale,
 and clipping configured off or not triggered: z3ext evaluates stock's clip coefficient from the
 norm the step stashed), since that in-place multiply would otherwise change the buffer itself, which
-holds what stock reuses for a parameter that gets no gradient in the next window. An unscale that
-multiplies by exactly 1 is not run at all (it would rewrite every gradient element with itself). A buffer of another
-dtype than the master weights (bf16 gradient accumulation) is converted in one copy (stock: a flat
-copy, then its conversion). With Muon, or partitions that are not consecutive views (a parameter
-without requires_grad), DeepSpeed's copy runs.
+holds what stock reuses for a parameter that gets no gradient in the next window (an optimizer that
+edits `.grad` in place would edit it too; torch's Adam, AdamW and SGD do not). An unscale that
+multiplies by exactly 1 is not run at all (it would rewrite every gradient element with itself). A
+buffer of another dtype than the master weights (bf16 gradient accumulation) is converted in one copy
+(stock: a flat copy, then its conversion). With Muon, or partitions that are not consecutive views (a
+parameter without requires_grad), DeepSpeed's copy runs.
+
 DeepSpeed's path is kept, logged once with the reason, for optimizer offload (its partitions
 live in host or NVMe buffers written at the accumulation boundary), ZeRO++ qgZ, `reduce_scatter:
 false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, and
@@ -43,7 +46,7 @@ from deepspeed.utils import log_dist
 
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
-from deepspeed_z3ext.errors import Z3extError
+from deepspeed_z3ext.errors import GradientError
 from deepspeed_z3ext.state import group_of, of_optimizer, of_param
 
 _MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
@@ -127,7 +130,7 @@ class GradReducer:
             return  # a transient gradient of a tiled computation: stock skips it too
         grad = param.grad
         if grad is None or grad.numel() != param.ds_numel:
-            raise Z3extError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {param.ds_id} "
+            raise GradientError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {param.ds_id} "
                              f"(shape {tuple(param.ds_shape)}): it has "
                              f"{'no gradient' if grad is None else f'{grad.numel()} elements, not {param.ds_numel}'}")
         if param.ds_id in bucket.ids:

@@ -85,3 +85,4 @@ def test_errors_share_one_base(tmp_path):
         h.sync_pread(buf, str(tmp_path / "missing.bin"))
     assert isinstance(e.value, OSError) and isinstance(e.value, deepspeed_z3ext.AioError)
     assert issubclass(deepspeed_z3ext.ClaimError, RuntimeError)
+    assert issubclass(deepspeed_z3ext.GradientError, RuntimeError) and issubclass(deepspeed_z3ext.GradientError, deepspeed_z3ext.Z3extError)
