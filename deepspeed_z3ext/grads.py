@@ -178,10 +178,8 @@ class GradReducer:
                 self._events.append(event)
         else:
             reduced, _ = ops().reduce_scatter_grads(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
-        boundary_ids = optimizer._offload_boundary_param_ids
-        for p in params:
+        for p in params:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
             p.grad = None
-            boundary_ids.add(p.ds_id)
         self._n_flushes += 1
         self._n_reduced += reduced
         self._n_accumulating += accumulate
