@@ -30,12 +30,22 @@ buffer of another dtype than the master weights (bf16 gradient accumulation) is 
 (stock: a flat copy, then its conversion). With Muon, or partitions that are not consecutive views (a
 parameter without requires_grad), DeepSpeed's copy runs.
 
+[Note: step view validity] Which partitions a sub-group's step reads is decided by stock's epilogue at
+every backward: `averaged_gradients[i]` lists each parameter's gradient partition (a view of the buffer)
+when it requires grad, and a fresh `zeros_like` when it does not. Freezing a parameter mid-training
+(`requires_grad_(False)`) therefore turns its entry into zeros from that step on, while the buffer still
+holds the last gradient it had: a view decided once and cached would apply that stale gradient at every
+later step. The run is recomputed whenever the list's entries are not the very tensors it was computed
+from (an identity check, no per-parameter arithmetic), so a frozen parameter breaks the run and the step
+takes stock's copy with stock's zeros; unfreezing restores the partitions and the view.
+
 DeepSpeed's path is kept, logged once with the reason, for optimizer offload (its partitions
 live in host or NVMe buffers written at the accumulation boundary), ZeRO++ qgZ, `reduce_scatter:
 false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, and
 `z3ext.reduce_gradients: false`.
 """
 import collections
+import operator
 import time
 import weakref
 from typing import NamedTuple, Optional
@@ -108,7 +118,7 @@ class GradReducer:
         self._host_s = 0.0
         self._n_views = 0
         self._n_unscales_skipped = 0
-        self._runs = {}  # (buffer data_ptr, sub-group) -> (offset, numel) of its consecutive views, or None
+        self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
         for bucket in optimizer.ipg_buckets.values():
@@ -123,6 +133,14 @@ class GradReducer:
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
         bucket past its size or into another group, then note its gradient."""
         bucket = self.bucket
+        if param.ds_id in bucket.ids:
+            # Noted already and not reduced yet: a backward that raised part-way left it (its epilogue never
+            # ran) and a retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or
+            # its hook fired twice in one window: a weight shared by two reentrant-checkpointed segments). The
+            # bucket holds that tensor: the sum is reduced once (stock appends it twice and would trip its
+            # duplicate assertion at the flush). Checked before the flush decision, which would otherwise count
+            # it twice and reduce it (and set its `.grad` to None) before noting it again.
+            return
         group = group_of(param)
         if bucket.params and (bucket.group is not group or bucket.elements + param.ds_numel > self.bucket_size):
             self.flush()
@@ -133,12 +151,6 @@ class GradReducer:
             raise GradientError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {param.ds_id} "
                              f"(shape {tuple(param.ds_shape)}): it has "
                              f"{'no gradient' if grad is None else f'{grad.numel()} elements, not {param.ds_numel}'}")
-        if param.ds_id in bucket.ids:
-            # Noted already and not reduced yet: a backward that raised part-way left it (its epilogue never
-            # ran) and a retry's backward accumulated into the same `.grad`, as autograd does without ZeRO.
-            # The bucket holds that tensor: the sum is reduced once (stock appends it twice and would trip its
-            # duplicate assertion at the flush).
-            return
         bucket.params.append(param)
         bucket.ids.add(param.ds_id)
         bucket.elements += grad.numel()
@@ -198,10 +210,7 @@ class GradReducer:
         if not converted and not _unscale_is_identity(optimizer):
             self.step_copy_reason = "the step's unscale multiplies (a loss scale, or clipping triggered)"
             return None
-        key = (buffer.data_ptr(), sub_group_id)
-        if key not in self._runs:
-            self._runs[key] = _consecutive_run(buffer, optimizer.averaged_gradients[sub_group_id])
-        run = self._runs[key]
+        run = self._run(buffer, sub_group_id, optimizer.averaged_gradients[sub_group_id])
         if run is None or run[1] != master.numel():
             self.step_copy_reason = (f"sub-group {sub_group_id}'s partitions are not consecutive views of the buffer "
                                      f"({run}, master {master.numel()} elements)")
@@ -209,6 +218,17 @@ class GradReducer:
         self._n_views += 1
         view = buffer.narrow(0, run[0], run[1])
         return view.to(master.dtype) if converted else view
+
+    def _run(self, buffer, sub_group_id, grads):
+        """`_consecutive_run` of this step's partitions, recomputed whenever they are not the very tensors of
+        the step it was computed for ([Note: step view validity])."""
+        key = (buffer.data_ptr(), sub_group_id)
+        cached = self._runs.get(key)
+        if cached is not None and len(cached[0]) == len(grads) and all(map(operator.is_, cached[0], grads)):
+            return cached[1]
+        run = _consecutive_run(buffer, grads)
+        self._runs[key] = (list(grads), run)
+        return run
 
     def drop_stale(self):
         """The optimizer step's start: gradients noted and never reduced are dropped, as stock clears

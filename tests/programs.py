@@ -1,0 +1,367 @@
+"""Drawn training programs, run on stock ZeRO-3 and on z3ext and compared bitwise (the differential test).
+
+A program is drawn from one seed (`draw(seed)`, plain `random.Random`: a failure is reproduced from its
+seed alone): a small model composed of layers that save the parameter itself (addmm, bmm, conv1d) or a view
+of it (`nn.Linear`, whose autograd saves `weight.t()`), an embedding whose weight is tied to the output head
+or not, a LoRA-style layer whose base is frozen from the start, a layer applied twice, a checkpointed segment
+(reentrant or not); a config (gradient accumulation, clipping that triggers or never does, bucket size,
+hold on/off, live budget, prefetch window, persistence threshold, DeepSpeed's memory-efficient linear, bf16);
+and a schedule of optimizer steps with events between them: freeze parameters, unfreeze them, a `no_grad`
+evaluation forward, a grad-enabled forward whose graph is dropped, and a backward that raises part-way
+and is retried.
+
+`run(program)` trains it on the current process group and returns its losses and final parameters.
+A backward that raises is z3ext's alone: stock ZeRO-3 cannot retry one (its bucket would hold the
+parameters twice and trip its duplicate assertion), so the raising pass's loss is scaled by 0 (its
+partial gradients are exact zeros, and `g + 0 == g`) and stock runs the program without that pass: a z3ext
+that survives the raise and the retry gives stock's bits.
+
+    python -m tests.programs --programs 300 [--first-seed 0]   # a longer run (2 gloo ranks)
+
+prints one line per program and, at the end, the seeds that differed; tests/test_differential.py runs a
+fixed budget of seeds in CI, and every seed that ever failed is a named regression case there.
+"""
+import argparse
+import random
+import time
+from typing import NamedTuple, Optional, Tuple
+
+VOCAB, SEQ, HIDDEN, BATCH = 24, 6, 8, 2
+LAYER_KINDS = ("linear", "addmm", "bmm", "conv", "lora", "repeat")
+
+
+class Event(NamedTuple):
+    before_step: int   # runs before this optimizer step's first micro-step
+    kind: str          # freeze | unfreeze | eval | dropped | fail
+    arg: int           # a parameter index (freeze/unfreeze) or a layer index (fail); else 0
+
+
+class Program(NamedTuple):
+    seed: int
+    layers: Tuple[str, ...]
+    tied: bool
+    checkpoint: Optional[Tuple[int, int, bool]]  # (first layer, last layer exclusive, reentrant)
+    ga: int
+    steps: int
+    clip: float        # gradient_clipping: 0 (off), tiny (triggers at every step), huge (never)
+    bucket: Optional[int]  # reduce_bucket_size (None: DeepSpeed's default)
+    hold: bool
+    live: Optional[int]    # stage3_max_live_parameters (None: DeepSpeed's default)
+    prefetch: Optional[int]  # stage3_prefetch_bucket_size
+    persistence: int
+    mel: bool
+    bf16: bool
+    events: Tuple[Event, ...]
+
+    def describe(self):
+        return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
+                f"ga={self.ga} steps={self.steps} clip={self.clip} bucket={self.bucket} hold={self.hold} "
+                f"live={self.live} prefetch={self.prefetch} persistence={self.persistence} mel={self.mel} "
+                f"bf16={self.bf16} events={[tuple(e) for e in self.events]}")
+
+
+def draw(seed) -> Program:
+    r = random.Random(seed)
+    n = r.randint(2, 5)
+    layers = tuple(r.choice(LAYER_KINDS) for _ in range(n))
+    checkpoint = None
+    if r.random() < 0.35:
+        a = r.randrange(n)
+        checkpoint = (a, r.randint(a + 1, n), r.random() < 0.5)
+    steps = r.randint(3, 6)
+    events = []
+    for s in range(1, steps):
+        if r.random() < 0.35:
+            events.append(Event(s, "freeze", r.randrange(1000)))
+        if r.random() < 0.2:
+            events.append(Event(s, "unfreeze", r.randrange(1000)))
+        if r.random() < 0.2:
+            events.append(Event(s, "eval", 0))
+        if r.random() < 0.15:
+            events.append(Event(s, "dropped", 0))
+        if r.random() < 0.2:
+            events.append(Event(s, "fail", r.randrange(n)))
+    return Program(
+        seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
+        steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
+        hold=r.random() < 0.7, live=r.choice((None, None, 100, 400)), prefetch=r.choice((None, 0, 200)),
+        persistence=r.choice((0, 0, 10)), mel=r.random() < 0.5, bf16=r.random() < 0.2, events=tuple(events))
+
+
+def config(program, z3ext):
+    zero = {"stage": 3, "stage3_param_persistence_threshold": program.persistence,
+            "memory_efficient_linear": program.mel}
+    if program.bucket is not None:
+        zero["reduce_bucket_size"] = program.bucket
+    if program.live is not None:
+        zero["stage3_max_live_parameters"] = program.live
+    if program.prefetch is not None:
+        zero["stage3_prefetch_bucket_size"] = program.prefetch
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": program.ga,
+           "steps_per_print": 10**9, "gradient_clipping": program.clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "zero_optimization": zero}
+    if program.bf16:
+        cfg["bf16"] = {"enabled": True}
+    if z3ext:
+        cfg["z3ext"] = {"enabled": True, "hold_for_backward": program.hold}
+    return cfg
+
+
+def _model(program):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    class Failing(nn.Module):
+        """Raises in backward when armed: after the layers nearer the loss have their gradients."""
+
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+
+        def arm(self, y):
+            if self.armed and y.requires_grad:
+                def boom(grad):
+                    raise RuntimeError("injected backward failure")
+                y.register_hook(boom)
+            return y
+
+    class Linear(Failing):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return self.arm(torch.tanh(self.inner(x)))
+
+    class Addmm(Failing):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(HIDDEN, HIDDEN) * 0.3)
+            self.bias = nn.Parameter(torch.randn(HIDDEN) * 0.1)
+
+        def forward(self, x):
+            y = torch.addmm(self.bias, x.reshape(-1, HIDDEN), self.weight).view_as(x)
+            return self.arm(torch.tanh(y))
+
+    class Bmm(Failing):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(1, HIDDEN, HIDDEN) * 0.3)
+
+        def forward(self, x):
+            return self.arm(torch.tanh(torch.bmm(x, self.weight.expand(x.shape[0], HIDDEN, HIDDEN))))
+
+    class Conv(Failing):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(HIDDEN, HIDDEN, 3, padding=1)
+
+        def forward(self, x):
+            return self.arm(torch.tanh(self.conv(x.transpose(1, 2)).transpose(1, 2)))
+
+    class Lora(Failing):
+        def __init__(self):
+            super().__init__()
+            self.base = nn.Linear(HIDDEN, HIDDEN)
+            self.base.requires_grad_(False)  # frozen from the start: DeepSpeed registers no gradient hook
+            self.lora_a = nn.Parameter(torch.randn(HIDDEN, 2) * 0.3)
+            self.lora_b = nn.Parameter(torch.randn(2, HIDDEN) * 0.3)
+
+        def forward(self, x):
+            return self.arm(torch.tanh(self.base(x) + x @ self.lora_a @ self.lora_b))
+
+    kinds = {"linear": Linear, "addmm": Addmm, "bmm": Bmm, "conv": Conv, "lora": Lora}
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            built = []
+            for kind in program.layers:
+                # "repeat": the previous layer of parameters applied again (a module used twice per forward)
+                built.append(built[-1] if kind == "repeat" and built else kinds.get(kind, Linear)())
+            self.layers = nn.ModuleList(m for i, m in enumerate(built) if all(m is not b for b in built[:i]))
+            self.order = [next(j for j, m in enumerate(self.layers) if m is b) for b in built]
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+            if program.tied:
+                self.head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            seg = program.checkpoint
+            i = 0
+            while i < len(self.order):
+                if seg is not None and i == seg[0]:
+                    run = [self.layers[j] for j in self.order[seg[0]:seg[1]]]
+
+                    def segment(h, run=run):
+                        for m in run:
+                            h = m(h)
+                        return h
+                    x = checkpoint(segment, x, use_reentrant=seg[2])
+                    i = seg[1]
+                    continue
+                x = self.layers[self.order[i]](x)
+                i += 1
+            logits = self.head(x)
+            return F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, dims=1).flatten())
+
+    return Net
+
+
+def _tokens(i, rank):
+    import torch
+    g = torch.Generator().manual_seed(7919 * i + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def run(program, z3ext):
+    """Trains `program` on stock (z3ext False) or z3ext; returns losses, final parameters by name, and
+    which events ran."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    import deepspeed_z3ext  # noqa: F401
+    from tests.models import full_params
+
+    rank = dist.get_rank()
+    cfg = config(program, z3ext)
+    torch.manual_seed(program.seed)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _model(program)()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if z3ext:
+        deepspeed_z3ext.stats(engine)  # raises unless z3ext owns this engine
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    frozen = []
+    losses, i, failed = [], 0, 0
+    try:
+        for step in range(program.steps):
+            fail_layer = None
+            for event in program.events:
+                if event.before_step != step:
+                    continue
+                if event.kind == "freeze" and len(trainable) > 1:
+                    p = trainable.pop(event.arg % len(trainable))
+                    p.requires_grad_(False)
+                    frozen.append(p)
+                elif event.kind == "unfreeze" and frozen:
+                    p = frozen.pop(event.arg % len(frozen))
+                    p.requires_grad_(True)
+                    trainable.append(p)
+                elif event.kind == "eval":
+                    with torch.no_grad():
+                        losses.append(("eval", engine(_tokens(10**6 + i, rank)).item()))
+                elif event.kind == "dropped":
+                    engine(_tokens(2 * 10**6 + i, rank))  # its graph is freed at once
+                elif event.kind == "fail":
+                    fail_layer = event.arg % len(engine.module.layers)
+            for micro in range(program.ga):
+                if fail_layer is not None and micro == 0 and z3ext:
+                    layer = engine.module.layers[fail_layer]
+                    layer.armed = True
+                    try:
+                        engine.backward(engine(_tokens(i, rank)) * 0.0)
+                        raise AssertionError("the injected backward failure did not fire")
+                    except RuntimeError as e:
+                        if "injected backward failure" not in str(e):
+                            raise
+                        failed += 1
+                    finally:
+                        layer.armed = False
+                loss = engine(_tokens(i, rank))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                i += 1
+        params = full_params(engine)
+    finally:
+        engine.destroy()
+    return dict(losses=losses, params=params, failed=failed)
+
+
+def compare(program):
+    """Runs `program` on stock and on z3ext; returns None when bitwise equal, else what differed."""
+    import torch
+    try:
+        stock = run(program, z3ext=False)
+    except Exception as e:  # outside what stock supports: nothing to compare with
+        return f"stock raised (not a z3ext defect; program skipped): {type(e).__name__}: {e}"
+    try:
+        z3 = run(program, z3ext=True)
+    except Exception as e:
+        import traceback
+        return f"z3ext raised where stock trained: {traceback.format_exc()}"
+    if stock["losses"] != z3["losses"]:
+        first = next(k for k, (a, b) in enumerate(zip(stock["losses"], z3["losses"])) if a != b) \
+            if len(stock["losses"]) == len(z3["losses"]) else None
+        return f"losses differ (first at micro-step {first}):\nstock {stock['losses']}\nz3ext {z3['losses']}"
+    bad = [n for n in stock["params"] if not torch.equal(stock["params"][n], z3["params"][n])]
+    if bad:
+        worst = max((stock["params"][n].float() - z3["params"][n].float()).abs().max().item() for n in bad)
+        return f"final parameters differ: {bad} (largest difference {worst:.3g})"
+    if any(e.kind == "fail" for e in program.events) and not z3["failed"]:
+        return "a fail event never raised"
+    return None
+
+
+def run_programs(seeds):
+    """On every rank: compares each seed's program; returns [(seed, outcome)], outcome None when equal."""
+    out = []
+    for seed in seeds:
+        t0 = time.perf_counter()
+        outcome = compare(draw(seed))
+        out.append((seed, outcome, time.perf_counter() - t0))
+    return out
+
+
+def differing(results):
+    """(seed, message) for each program that was not bitwise equal on some rank; skipped programs (stock
+    raised) are not failures and are returned separately."""
+    failures, skipped = {}, {}
+    for rank_results in results:
+        for seed, outcome, _ in rank_results:
+            if outcome is None:
+                continue
+            (skipped if outcome.startswith("stock raised") else failures).setdefault(seed, outcome)
+    return failures, skipped
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=300)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=25, help="programs per spawn of the 2 ranks")
+    args = ap.parse_args()
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # The ranks inherit this: DeepSpeed's and torch's deprecation warnings would bury the report.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning")
+    from tests.harness import run_on_ranks
+    t0 = time.perf_counter()
+    all_failures, all_skipped, n = {}, {}, 0
+    for start in range(args.first_seed, args.first_seed + args.programs, args.chunk):
+        seeds = list(range(start, min(start + args.chunk, args.first_seed + args.programs)))
+        results = run_on_ranks(run_programs, seeds=seeds, timeout=60 * len(seeds) + 120)
+        failures, skipped = differing(results)
+        for seed, outcome, seconds in results[0]:
+            n += 1
+            mark = "DIFFERS" if seed in failures else "skipped" if seed in skipped else "equal"
+            print(f"{seed:6d} {mark:8s} {seconds:5.1f}s  {draw(seed).describe()}", flush=True)
+            if seed in failures:
+                print("        " + failures[seed].replace("\n", "\n        "), flush=True)
+        all_failures.update(failures)
+        all_skipped.update(skipped)
+    print(f"{n} programs in {time.perf_counter() - t0:.0f} s: {n - len(all_failures) - len(all_skipped)} bitwise "
+          f"equal, {len(all_failures)} differ, {len(all_skipped)} skipped (stock raised)")
+    if all_failures:
+        print("differing seeds:", sorted(all_failures))
+    for seed, why in sorted(all_skipped.items()):
+        print(f"skipped {seed}: {why.splitlines()[0][:200]}")
+    raise SystemExit(1 if all_failures else 0)
+
+
+if __name__ == "__main__":
+    main()
