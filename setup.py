@@ -18,10 +18,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class build_py_with_pth(build_py):
+    """A regular (not editable) build also gets the ops' sources where the installed op_builder looks
+    for them (`deepspeed_z3ext/csrc`, beside `deepspeed_z3ext/op_builder`)."""
+
     def run(self):
         super().run()
         if not getattr(self, "editable_mode", False):
             self.copy_file(os.path.join(HERE, PTH), os.path.join(self.build_lib, PTH), preserve_mode=0)
+            csrc = os.path.join(self.build_lib, "deepspeed_z3ext", "csrc")
+            self.mkpath(csrc)
+            for name in sorted(os.listdir(os.path.join(HERE, "csrc"))):
+                if name.endswith((".h", ".cpp")):
+                    self.copy_file(os.path.join(HERE, "csrc", name), os.path.join(csrc, name), preserve_mode=0)
 
 
 cmdclass = {"build_py": build_py_with_pth}
@@ -72,7 +80,6 @@ setup(
     packages=["deepspeed_z3ext", "deepspeed_z3ext.op_builder"],
     py_modules=["deepspeed_z3ext_activate"],
     package_dir={"deepspeed_z3ext.op_builder": "op_builder"},
-    package_data={"deepspeed_z3ext": ["../csrc/*.h", "../csrc/*.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",
