@@ -4,7 +4,7 @@
 [Note: activation] DeepSpeed ignores unknown top-level config keys, so a `"z3ext": true` config in a
 program that never imports deepspeed_z3ext (HF Trainer, Accelerate, the `deepspeed` launcher) would
 run stock ZeRO-3 without a word. Installed, this module puts a finder first on `sys.meta_path` that
-waits for `deepspeed` to be imported (and removes itself then); once DeepSpeed has loaded, it replaces
+waits for `deepspeed` to be loaded (and removes itself then); once DeepSpeed has loaded, it replaces
 one attribute, `DeepSpeedConfig._do_sanity_check` (every DeepSpeedConfig runs it: `zero.Init`'s and
 `deepspeed.initialize`'s), with a check that only reads the config dict. A config that does not enable
 z3ext goes straight to DeepSpeed's check. One that does, while z3ext is not attached, imports
@@ -117,19 +117,27 @@ class _AfterDeepSpeed:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
+        _remove_finder()
         install_check()
 
 
 class _Finder:
-    """First on sys.meta_path until `deepspeed` is looked up; answers only for it."""
+    """First on sys.meta_path until `deepspeed` is loaded; answers only for it, with the spec the
+    finders after it give and the loader wrapped. It stays until the load, not the first lookup:
+    `importlib.util.find_spec("deepspeed")` (transformers' is_deepspeed_available) looks up without
+    loading."""
+    _looking = False
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != "deepspeed" or cls._looking:
             return None
-        _remove_finder()
-        from importlib.util import find_spec
-        spec = find_spec(name)  # the finders after this one: where deepspeed really is
+        cls._looking = True
+        try:
+            from importlib.util import find_spec
+            spec = find_spec(name)  # the finders after this one (this one answers None meanwhile)
+        finally:
+            cls._looking = False
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _AfterDeepSpeed(spec.loader)
         return spec
