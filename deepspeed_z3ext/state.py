@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
-from deepspeed_z3ext import claims
+from deepspeed_z3ext import claims, comms
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext import entry
 
@@ -76,6 +76,8 @@ class Z3extState:
         self.module = module
         self.engine = ops().GatherEngine(config.pool_budget_mb << 20, ZeroParamStatus.AVAILABLE,
                                          ZeroParamStatus.NOT_AVAILABLE)
+        if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
+            self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size())
         self._units = {}  # module ds_id -> (n external params, FetchUnit)
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)

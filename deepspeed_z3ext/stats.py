@@ -23,7 +23,8 @@ def state_of(engine):
     state = of_engine(engine)
     if state is None:
         raise ValueError("z3ext is not enabled for this engine: add \"z3ext\": true to its DeepSpeed config "
-                         "(with zero_optimization.stage 3) and import deepspeed_z3ext before deepspeed.initialize")
+                         "(with zero_optimization.stage 3); installed with pip, z3ext attaches itself, else import deepspeed_z3ext "
+                         "before deepspeed.initialize")
     return state
 
 
