@@ -37,6 +37,18 @@ def load():
     return _ext
 
 
+def steps_whatever_the_values():
+    """DeepSpeed's stage-3 step skips the update when the gradient norm is not finite, which leftover
+    bytes in the chunks no rank wrote make likely; a skipped update would time a step that never runs
+    the optimizer. In a simulated world the update always runs, as it does with finite gradients
+    (torch's optimizers, for FSDP2 and the unsharded model, never skip)."""
+    try:
+        import deepspeed.runtime.zero.stage3 as stage3
+    except ImportError:
+        return
+    stage3.is_invalid_grad_norm = lambda norm: False
+
+
 def init(world, backend=BACKEND, device=None):
     """Initialises the default process group as rank 0 of `world` ranks on this process's device.
     `backend`: "simworld" (collectives that do nothing) or "fake" (torch's, which copies data)."""
@@ -60,6 +72,10 @@ def init(world, backend=BACKEND, device=None):
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
     else:
         raise ValueError(f"unknown simulated-world backend {backend!r} (simworld or fake)")
+    steps_whatever_the_values()
+    if device.type == "cpu":
+        # The chunks no rank wrote hold leftover bytes; denormals among them would slow CPU math.
+        torch.set_flush_denormal(True)
     # A HashStore lives in this process: nothing ever waits on another rank's key (torch's store-based
     # barriers after group creation are off unless TORCH_DIST_INIT_BARRIER=1).
     dist.init_process_group(backend=backend, rank=0, world_size=world, store=dist.HashStore())
