@@ -37,7 +37,7 @@ class DoneWork : public Work {
  public:
   bool isCompleted() override { return true; }
   bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
-  void blockCurrentStream() override {}
+  void blockCurrentStream() {}  // virtual in recent torch only (see getBackendOptions below)
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     // DDP-style callers chain on the future: hand them one that is already complete.
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
@@ -54,9 +54,11 @@ class NoopBackend : public c10d::Backend {
   }
 
   const std::string getBackendName() const override { return "simworld"; }
-  c10::intrusive_ptr<Backend::Options> getBackendOptions() override { return options_; }
+  // These two are virtual in recent torch only; written without `override` they override where the
+  // base declares them and are harmless extras where it does not (the bench also runs on older torch).
+  c10::intrusive_ptr<Backend::Options> getBackendOptions() { return options_; }
   // Batched p2p / coalescing managers open and close a group around their calls: nothing to batch.
-  bool supportsCoalescing() const override { return true; }
+  bool supportsCoalescing() const { return true; }
   void startCoalescing() override {}
   c10::intrusive_ptr<Work> endCoalescing() override { return done(); }
 
