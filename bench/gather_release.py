@@ -668,9 +668,9 @@ def init_distributed(a):
 
 
 def _entry(a):
+    init_distributed(a)  # first: it sets DS_ACCELERATOR on a machine without CUDA before DeepSpeed loads
     import deepspeed
     import torch.distributed as dist
-    init_distributed(a)
     res = run(a)
     if dist.get_rank() == 0 and a.part:
         Path(a.out).write_text(json.dumps(res))
