@@ -218,8 +218,8 @@ def memory_after_forward():
     stack = _linears()
     budget = 2 * WIDTH * WIDTH  # two layers
     systems = {
-        "stock-mel": (False, True, {"stage3_max_reuse_distance": 0}),
-        "stock": (False, False, {"stage3_max_reuse_distance": 0}),
+        # Stock at its leanest: released after each module, nothing gathered ahead.
+        "stock-mel": (False, True, {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}),
         "z3ext-nohold": ({"enabled": True, "hold_for_backward": False}, False, {}),
         "z3ext-budget": (True, False, {"stage3_max_live_parameters": budget}),
         "z3ext-budget-mel": (True, True, {"stage3_max_live_parameters": budget}),
@@ -246,15 +246,15 @@ def memory_after_forward():
 
 
 def test_bytes_held_after_forward_at_most_stock_with_mel_plus_the_live_budget():
-    slack = 1 << 20  # activations differ by a few KiB; allocator bookkeeping
+    slack = 1 << 20  # allocator bookkeeping, a few KiB of activations; one layer is 4 MiB
     for rank, r in enumerate(run_on_ranks(memory_after_forward, timeout=600)):
         ref = max(r["stock-mel"]["deltas"][1:])
         mib = {k: [round(d / 2**20, 2) for d in v["deltas"]] for k, v in r.items() if isinstance(v, dict)}
+        print(f"rank {rank}: MiB held after each forward: {mib}")
         assert max(r["z3ext-nohold"]["deltas"][1:]) <= ref + slack, (rank, mib)
         for name in ("z3ext-budget", "z3ext-budget-mel"):
             assert max(r[name]["deltas"][1:]) <= ref + r["budget_bytes"] + slack, (rank, name, mib)
-        # The measurement can fail: stock without its linear keeps every released weight (8 x 4 MiB).
-        assert max(r["stock"]["deltas"][1:]) > ref + r["budget_bytes"] + slack, (rank, mib)
+        # Before true release z3ext-nohold held every released weight here (32 MiB: saved `weight.t()`).
 
 
 # ------------------------------------------------------------------------------------------ stale read
