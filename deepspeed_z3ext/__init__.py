@@ -23,8 +23,12 @@ from deepspeed_z3ext import deepspeed_private as _private
 __version__ = "0.1.0"
 
 # `python -m deepspeed_z3ext` (the report, report.py) imports this package while sys.argv[0] is "-m":
-# it must run where the build would fail, and changes nothing in DeepSpeed.
-if _sys.argv[:1] != ["-m"]:
+# it must run where the build would fail, and changes nothing in DeepSpeed. Only that command: another
+# `python -m pkg.mod` whose package imports deepspeed_z3ext builds and installs as usual.
+_orig = getattr(_sys, "orig_argv", [])
+_report_only = (_sys.argv[:1] == ["-m"] and "-m" in _orig and _orig.index("-m") + 1 < len(_orig)
+                and _orig[_orig.index("-m") + 1] == "deepspeed_z3ext")
+if not _report_only:
     _ops()  # build or load now, so a broken toolchain fails at import with instructions
     _private.check_version()
     _activation.install_check()  # under the seams (which wrap it), also when the package was not installed with its .pth
