@@ -16,7 +16,7 @@ bytes past a 512-byte boundary (as `torch.randn(n + 1)[1:]`) of --size + 3 bytes
 through O_DIRECT with a bounce buffer plus a page-cache tail. DeepSpeed is left out of `unaligned`
 rows on O_DIRECT folders: its handle silently drops the bytes past the last whole block there (and
 aborts the process reading them back), see tests/test_aio_any_buffer.py. Results go to
-bench/results/aio-<name>.{json,txt} with the machine (CPU, kernel, filesystem, device).
+bench/out/aio-<name>.{json,txt} (untracked; --out DIR elsewhere) with the machine (CPU, kernel, filesystem, device).
 """
 import argparse
 import json
@@ -245,7 +245,7 @@ def main():
                     help="each system in its own process per round (no other I/O op loaded alongside)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--name", default=f"{os.cpu_count()}xCPU")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for the results (default untracked)")
     args = ap.parse_args()
 
     import deepspeed_z3ext  # noqa: F401  (builds the ops once, before any timing)

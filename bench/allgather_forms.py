@@ -6,7 +6,8 @@ Forms, each gathering `units` units of `unit-mib` MiB (the bench GPT's block siz
 flat (one buffer, in place: the limit in gather_release.py), coalesced in place (each unit as
 `parts` tensors, inputs inside their outputs: the limit's second number), coalesced out of place
 (inputs are separate partition tensors: what z3ext issues, [Note: parameter-major buckets]), and
-one call per tensor. Median ms over repeats; rank 0 writes bench/results/allgather-forms-<machine>.txt.
+one call per tensor. Median ms over repeats; rank 0 writes bench/out/allgather-forms-<machine>.txt
+(untracked).
 """
 import argparse
 import statistics
@@ -72,7 +73,8 @@ def _rank_main(argv):
             lines.append(f"{name:>26} {ms:8.3f} ms  {total / ms / 1e6:7.1f} GB/s algbw  "
                          f"{ms / results['flat, in place']:.2f}x flat")
         text = "\n".join(lines) + "\n"
-        (gr.ROOT / "bench" / "results" / f"allgather-forms-{machine}.txt").write_text(text)
+        gr.OUT_DIR.mkdir(parents=True, exist_ok=True)
+        (gr.OUT_DIR / f"allgather-forms-{machine}.txt").write_text(text)
         print(text)
     dist.barrier()
     dist.destroy_process_group()

@@ -8,6 +8,10 @@
 #   bash bench/device_run.sh grads   # gradient path: pytest -m gpu tests/test_gradients.py, then stock /
 #                                    # z3ext / z3ext-dsgrads / FSDP2 / unsharded on two shapes (all GPUs)
 #   bash bench/device_run.sh step    # bench/step_breakdown.py: the optimizer step phase by phase
+#   bash bench/device_run.sh simworld  # one GPU: GPT 0.94B and 6.7B as rank 0 of simulated worlds of 8
+#                                    # and 64 (collectives do nothing: per-rank memory and host time are
+#                                    # real, communication time is zero, values wrong), all systems in
+#                                    # one process per shape and world; fits one 600 s call
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -20,6 +24,11 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
+if [[ $what == simworld ]]; then  # the simulated world's backend builds while the ops do
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
+    >"$LOG/simworld-build.log" 2>&1 &
+  simworld_build=$!
+fi
 python3 -c "from deepspeed_z3ext._ops import ops; print('ops built, cuda:', ops().with_cuda)" || exit 1
 if [[ $what == tests || $what == all ]]; then
   python3 -c "from deepspeed.ops.op_builder import DeepCompileBuilder; DeepCompileBuilder().load()" >/dev/null 2>&1
@@ -46,4 +55,33 @@ if [[ $what == step ]]; then  # the optimizer step phase by phase (stock, z3ext 
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
+fi
+if [[ $what == simworld ]]; then
+  # Issue 23's shapes at --sim-world 8 and 64, each shape and world one process with every system in it
+  # (interleaved rounds). The unsharded 6.7B model (54 GB of bf16 weights, gradients and AdamW state)
+  # does not fit beside the four sharded systems, so it runs on the 0.94B model only. Each run gets what
+  # is left of SIM_BUDGET seconds (default 570, from this script's start): a run cut short leaves the
+  # others' results, and the summary says which is missing. Logs: $LOG/simworld.log (all runs), the
+  # table: $LOG/simworld-summary.md, the results merged: $LOG/simworld.json (few files: $OUT returns 8).
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  budget=${SIM_BUDGET:-570}
+  big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}  # SIM_BIG, SIM_EXTRA: CPU dry runs
+  results=()
+  for run in "0.94B 8" "6.7B 8" "6.7B 64" "0.94B 64"; do
+    set -- $run
+    if [[ $1 == 6.7B ]]; then shape=$big systems=stock-mel,fsdp2,z3ext,z3ext-nohold
+    else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
+    json=bench/out/sim-$1-w$2.json; results+=("$json")
+    left=$((budget - SECONDS))
+    if ((left < 45)); then echo "# skipped $1 at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi
+    echo "# $1 GPT at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
+    mkdir -p bench/out
+    timeout -k 5 "$left" python3 bench/gather_release.py --sim-world "$2" $shape --systems "$systems" \
+      --rounds 2 --steps 3 --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
+    rc=$?
+    cat "${json%.json}.log" >>"$LOG/simworld.log"
+    ((rc == 0)) || { echo "# $1 at simulated world $2: exit $rc"; tail -n 15 "${json%.json}.log"; } | tee -a "$LOG/simworld.log"
+    sed -n '/^# gather_release/,/^# ratios/p' "${json%.json}.log"
+  done
+  python3 bench/simworld/summarize.py "$LOG/simworld.json" "${results[@]}" | tee "$LOG/simworld-summary.md"
 fi

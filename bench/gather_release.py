@@ -2,6 +2,13 @@
 
     python bench/gather_release.py            # GPUs: one rank per visible GPU; no GPU: 2 CPU ranks (gloo)
     torchrun --nproc_per_node N bench/gather_release.py
+    python bench/gather_release.py --sim-world 64   # rank 0 of a simulated world of 64 on one device
+
+On a machine with exactly one GPU and neither --world nor --sim-world, the world-1 run (no sharding
+at all) is followed by a simulated world of 8 (`--sim-world 0` turns that off). A simulated world
+([Note: simulated world], bench/simworld/noop_pg.cpp) shards, gathers, reduces and steps as rank 0 of
+N ranks through collectives that do nothing: per-rank memory and host time are real, communication
+time is zero and values are wrong. Results go to bench/out/ (untracked) unless --out is given.
 
 All systems live in the same processes and are measured in interleaved rounds (median over rounds),
 so drift hits them alike. On CPU the numbers only show host overhead (gather/release bookkeeping),
@@ -10,6 +17,14 @@ not what a GPU run would show.
 import argparse
 import json
 import os
+import warnings
+
+# The bench prints its progress, table and results; library deprecation notices would bury them.
+# PYTHONWARNINGS carries the filter into the ranks' processes before they import anything.
+_QUIET = "ignore::DeprecationWarning,ignore::FutureWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), _QUIET) if w)
+for _category in (DeprecationWarning, FutureWarning):
+    warnings.filterwarnings("ignore", category=_category)
 import platform
 import statistics
 import sys
@@ -22,6 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "bench" / "out"  # default for every bench's results: git-ignored, so a run leaves the checkout clean
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import simworld  # noqa: E402  (bench/simworld: the simulated world's backend)
 SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2", "stock-mel", "z3ext-mel", "fsdp2-mel")
 TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench linear])
 # "<system>-mel": the system under DeepSpeed's process-wide linear replacement ([Note: bench linear]):
@@ -165,7 +183,9 @@ def build_system(name, a, device):
         sys_ = System(name, engine, engine, engine.backward, engine.step, 0, linear=F.linear)
         F.linear = TORCH_LINEAR
     elif base == "unsharded":
-        model = make_model(a).to(device=device, dtype=dtype)
+        with torch.device(device):  # built in place: a 6.7B model's CPU init alone takes tens of seconds
+            model = make_model(a)
+        model = model.to(dtype=dtype)
         opt = _opt(model.parameters(), a, device)
 
         def step():
@@ -175,7 +195,8 @@ def build_system(name, a, device):
         sys_ = System(name, model, model, lambda loss: loss.backward(), step, 0)
     elif base == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        model = make_model(a).to(device=device)
+        with torch.device(device):
+            model = make_model(a)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if a.dtype == "bf16" else None
         kw = {"mp_policy": mp} if mp else {}
         for blk in model.blocks:
@@ -297,7 +318,15 @@ def parse(argv=None):
     p.add_argument("--memory-efficient-linear", action="store_true",
                    help="DeepSpeed's zero_optimization.memory_efficient_linear for stock and z3ext (default off)")
     p.add_argument("--world", type=int, default=None, help="ranks to spawn (default: GPUs, or 2 on CPU)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/<machine>.json)")
+    p.add_argument("--sim-world", type=int, default=None, metavar="N",
+                   help="run rank 0 of a simulated world of N ranks on one device (GPU 0, or the CPU): collectives "
+                        "do nothing, so per-rank memory and host time are real, communication time is zero and values "
+                        "are wrong. Default: 8 after the world-1 run on a machine with exactly one GPU and no --world; "
+                        "0: never")
+    p.add_argument("--sim-backend", choices=["simworld", "fake"], default="simworld",
+                   help="simulated world's backend: simworld (collectives do nothing; the reported numbers) or "
+                        "torch's fake (copies the input into every chunk: O(N x tensors) work, for comparison)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/out/<machine>.json, untracked)")
     p.add_argument("--gradient-clipping", type=float, default=None,
                    help="DeepSpeed's gradient_clipping for stock and z3ext (default: DeepSpeed's, 1.0); FSDP2 and "
                         "unsharded never clip")
@@ -307,12 +336,20 @@ def parse(argv=None):
                         "time); no interleaving, so compare only runs made back to back")
     p.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # one system of an --isolated run
     a = p.parse_args(argv)
+    if a.sim_world is not None and a.sim_world < 0:
+        p.error("--sim-world takes a number of ranks (0: no simulated world)")
+    if a.sim_world and a.world:
+        p.error("--sim-world and --world exclude each other (a simulated world runs one process)")
     if a.smoke:
         a.layers, a.steps, a.rounds, a.warmup = min(a.layers, 20), 2, 1, 1
     return a
 
 
-def machine_name(world, device):
+def machine_name(world, device, sim_world=None):
+    """`<ranks>x<device>`; a simulated world is one device: `1x<device>-sim<N>`."""
+    if sim_world:
+        dev = torch.cuda.get_device_name(0).replace(' ', '-') if device.type == "cuda" else "CPU"
+        return f"1x{dev}-sim{sim_world}"
     if device.type == "cuda":
         return f"{world}x{torch.cuda.get_device_name(0).replace(' ', '-')}"
     return f"{world}xCPU-gloo"
@@ -458,8 +495,12 @@ def run(a):
     if bar:
         bar.close()
     unit_bytes = (n_params // max(a.layers, 1)) * elt
-    limit = raw_all_gather(a, device, unit_bytes, n_params * elt, repeats=max(a.rounds * a.steps, 3))
+    # No limit in a simulated world: its all-gather does nothing, so there is no bandwidth to measure.
+    limit = None if a.sim_world else raw_all_gather(a, device, unit_bytes, n_params * elt,
+                                                    repeats=max(a.rounds * a.steps, 3))
     result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
+    if a.sim_world:
+        result["simulated_world"] = dict(world=world, backend=a.sim_backend, note=simworld.label(world))
     for n, smp in samples.items():
         med = {k: statistics.median(v) for k, v in smp.items() if v}
         for k, v in gpu[n].items():
@@ -473,6 +514,7 @@ def run(a):
             if grads is not None:  # z3ext's gradient path: host ms per step in its flushes
                 med["grad_flushes_per_step"] = grads.flushes / steps_run[n]
                 med["grad_host_ms_per_step"] = grads.host_seconds * 1e3 / steps_run[n]
+        med["params_per_rank"] = params_per_rank(systems[n])
         result["systems"][n] = med
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
@@ -489,24 +531,41 @@ def run(a):
     return result
 
 
+def params_per_rank(s):
+    """Elements of the model this rank keeps between steps: ZeRO-3's partitions, FSDP2's local shards."""
+    total = 0
+    for p in s.model.parameters():
+        if hasattr(p, "ds_tensor"):
+            total += p.ds_tensor.ds_numel
+        elif hasattr(p, "to_local"):  # FSDP2's DTensor
+            total += p.to_local().numel()
+        else:
+            total += p.numel()
+    return total
+
+
 def make_model_meta(a):
     with torch.device("meta"):
         return make_model(a)
 
 
 def table(res, machine):
-    s = res["systems"]
+    s, lim, sim = res["systems"], res["limit"], res.get("simulated_world")
     lines = [f"# gather_release on {machine}: {res['n_params']/1e6:.1f}M params, world {res['world']}, "
-             f"dtype {res['args']['dtype']}, model {res['args']['model']}",
-             f"# limit: all-gather of the model's bytes in {res['limit']['units']} units of "
-             f"{res['limit']['unit_bytes']/2**20:.2f} MiB: {res['limit']['ms']:.3f} ms "
-             f"(algbw {res['limit']['algbw_GBps']:.1f} GB/s, busbw {res['limit']['busbw_GBps']:.1f} GB/s); "
-             f"each unit as 4 tensors in one coalesced call: {res['limit'].get('coalesced_ms', float('nan')):.3f} ms",
-             f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
-             f"{'peak MiB':>9}"]
+             f"dtype {res['args']['dtype']}, model {res['args']['model']}"]
+    if sim:
+        lines.append(f"# {sim['note']} (backend {sim['backend']}: rank 0 of {sim['world']} on one device)")
+    if lim:
+        lines.append(f"# limit: all-gather of the model's bytes in {lim['units']} units of "
+                     f"{lim['unit_bytes']/2**20:.2f} MiB: {lim['ms']:.3f} ms "
+                     f"(algbw {lim['algbw_GBps']:.1f} GB/s, busbw {lim['busbw_GBps']:.1f} GB/s); "
+                     f"each unit as 4 tensors in one coalesced call: {lim.get('coalesced_ms', float('nan')):.3f} ms")
+    lines.append(f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
+                 f"{'peak MiB':>9} {'params/rank':>12}")
     for n, m in s.items():
         peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
-        lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak}")
+        lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak} "
+                     f"{m.get('params_per_rank', 0):12,}")
     if any("power_W_median" in m for m in s.values()):
         lines.append(f"# during the timed steps ({res.get('nvml_sampling')}): SM clock MHz median [min], power W median [max]")
         for n, m in s.items():
@@ -520,9 +579,15 @@ def table(res, machine):
         ratios = []
         for other in ("stock", "stock-mel", "z3ext-dsgrads", "fsdp2", "unsharded"):
             if other in s:
+                peak = f", peak {z['peak']/s[other]['peak']:.2f}x" if "peak" in z and "peak" in s[other] else ""
                 ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
-                              f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x")
-        ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/res['limit']['ms']:.2f}x")
+                              f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x{peak}")
+        for variant in (n for n in s if n.startswith("z3ext-") and "fsdp2" in s):
+            v, f = s[variant], s["fsdp2"]
+            peak = f", peak {v['peak']/f['peak']:.2f}x" if "peak" in v and "peak" in f else ""
+            ratios.append(f"{variant}/fsdp2: step {v['step']/f['step']:.2f}x{peak}")
+        if lim:
+            ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/lim['ms']:.2f}x")
         lines += ["# ratios (< 1 means z3ext is faster)"] + ["  " + r for r in ratios]
         for n in ("stock", "z3ext", "z3ext-nohold", "stock-mel", "z3ext-mel"):
             if n in s:
@@ -548,8 +613,9 @@ def targets(res):
     z, st, u = s["z3ext"], s["stock"], s["unsharded"]
     out.append("# targets (z3ext vs systems of this run)")
     row("fwd / unsharded fwd", z["fwd"] / u["fwd"], 1.15, z["fwd"] / u["fwd"] <= 1.15)
-    bound = 1.5 * max(res["limit"]["ms"], u["tiny"])
-    row("tiny fwd ms / 1.5 x max(limit, unsharded)", z["tiny"], bound, z["tiny"] <= bound)
+    if res["limit"]:
+        bound = 1.5 * max(res["limit"]["ms"], u["tiny"])
+        row("tiny fwd ms / 1.5 x max(limit, unsharded)", z["tiny"], bound, z["tiny"] <= bound)
     row("step / stock step (want <= 0.5)", z["step"] / st["step"], 0.5, z["step"] / st["step"] <= 0.5)
     if "fsdp2" in s:
         row("step / fsdp2 step (stretch)", z["step"] / s["fsdp2"]["step"], 1.0, z["step"] <= s["fsdp2"]["step"])
@@ -574,10 +640,13 @@ def plot(res, path):
         ax1.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("ms per training step")
+    if res.get("simulated_world"):
+        fig.suptitle(res["simulated_world"]["note"])
     ax1.legend()
     model_bytes = res["n_params"] * (2 if res["args"]["dtype"] == "bf16" else 4)
     bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n != "unsharded"}
-    bw["limit"] = res["limit"]["algbw_GBps"]
+    if res["limit"]:
+        bw["limit"] = res["limit"]["algbw_GBps"]
     ax2.bar(list(bw), list(bw.values()))
     ax2.set_ylabel("achieved gather GB/s (model bytes / tiny forward)")
     fig.tight_layout()
@@ -585,19 +654,29 @@ def plot(res, path):
     return path
 
 
-def _entry(a):
+def init_distributed(a):
+    """The process group (a simulated world's when --sim-world), then DeepSpeed's comm on it."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import torch.distributed as dist
-    if torch.cuda.is_available():
+    if a.sim_world:
+        simworld.init(a.sim_world, backend=a.sim_backend)  # deepspeed.init_distributed then reuses it
+    elif torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                auto_mpi_discovery=False)
+
+
+def _entry(a):
+    init_distributed(a)  # first: it sets DS_ACCELERATOR on a machine without CUDA before DeepSpeed loads
+    import deepspeed
+    import torch.distributed as dist
     res = run(a)
     if dist.get_rank() == 0 and a.part:
         Path(a.out).write_text(json.dumps(res))
     elif dist.get_rank() == 0:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        machine = machine_name(dist.get_world_size(), device)
+        machine = machine_name(dist.get_world_size(), device, a.sim_world)
         res["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__,
                               deepspeed=deepspeed.__version__, python=platform.python_version(),
                               nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
@@ -608,11 +687,11 @@ def _entry(a):
 
 
 def report(res, a, machine, device):
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"{machine}{'-smoke' if a.smoke else ''}.json"
+    out = Path(a.out) if a.out else OUT_DIR / f"{machine}{'-smoke' if a.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     png = plot(res, out.with_suffix(".png"))
-    if device.type == "cpu":
+    if device.type == "cpu" and not res.get("simulated_world"):
         print("# CPU run: gloo ranks on CPU show host overhead only, not GPU behaviour")
     if a.isolated:
         print("# --isolated: each system ran alone in its own processes, one after another (not interleaved)")
@@ -658,7 +737,7 @@ def run_isolated(a, argv, world):
             merged["skipped"].update(p["skipped"])
     merged["args"]["systems"], merged["args"]["isolated"] = a.systems, True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    machine = machine_name(world, device)
+    machine = machine_name(world, device, a.sim_world)
     merged["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__, python=platform.python_version(),
                              driver=_driver(), cpu=platform.processor() or platform.machine())
     report(merged, a, machine + "-isolated", device)
@@ -695,15 +774,34 @@ def _rank_main(argv):
     _entry(parse(argv))
 
 
+def sim_out(out, world):
+    """--out for the simulated world that follows a world-1 run: `<stem>-sim<N><suffix>`."""
+    if not out:
+        return []
+    p = Path(out)
+    return ["--out", str(p.with_name(f"{p.stem}-sim{world}{p.suffix or '.json'}"))]
+
+
 def main(argv=None):
     a = parse(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if a.sim_world:  # one process on this device, rank 0 of the simulated world
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit("--sim-world runs one process: not under torchrun with several ranks")
+        return run_isolated(a, argv, 1) if a.isolated else _entry(a)
     if "RANK" in os.environ:  # under torchrun
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    argv = sys.argv[1:] if argv is None else argv
     if a.isolated:
-        return run_isolated(a, argv, world)
-    spawn(_rank_main, argv, world)
+        run_isolated(a, argv, world)
+    else:
+        spawn(_rank_main, argv, world)
+    # One GPU and no --world: world 1 shards nothing, so the run continues with what ZeRO-3 is for, a
+    # simulated world of 8 (same options; its own report and file).
+    if a.sim_world is None and a.world is None and torch.cuda.is_available() and torch.cuda.device_count() == 1:
+        print(f"\n# one GPU: next, the same systems as rank 0 of a {simworld.label(8)}", flush=True)
+        sim_argv = _without(argv, "--out") + ["--sim-world", "8"] + sim_out(a.out, 8)
+        main(sim_argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ on_step_end of the Trainer, synchronised), peak allocated GPU memory over the ti
 (`torch.cuda.max_memory_allocated`, reset after warm-up; None on CPU), max RSS of the processes,
 per-step DPO losses (rank 0's and the mean over ranks). A system that fails (or times out) is
 reported as failed with the last line of its error; the others still run. Results:
-`bench/results/hf-recipe-<machine>[-smoke].{json,txt}`.
+`bench/out/hf-recipe-<machine>[-smoke].{json,txt}` (untracked) unless --out is given.
 """
 import argparse
 import json
@@ -66,7 +66,7 @@ def parse(argv=None):
     p.add_argument("--memory-efficient-linear", choices=["default", "on", "off"], default="default",
                    help="DeepSpeed's zero_optimization.memory_efficient_linear (default: DeepSpeed's default, on)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per system (its whole torchrun)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/hf-recipe-<machine>[-smoke].json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/out/hf-recipe-<machine>[-smoke].json, untracked)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny and fast: 2 layers, n_embd 64, seq 32, 1 warm-up + 3 timed steps, fp32")
     p.add_argument("--logs", default=None, help="folder for each system's torchrun log (default: a temp folder)")
@@ -503,7 +503,7 @@ def main(argv=None):
                             env={k: os.environ[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                             "NVSHMEM_DISABLE_NVLS", "TORCH_CUDA_ARCH_LIST",
                                                             "DS_ACCELERATOR") if k in os.environ}))
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"hf-recipe-{name}{'-smoke' if a.smoke else ''}.json"
+    out = Path(a.out) if a.out else ROOT / "bench" / "out" / f"hf-recipe-{name}{'-smoke' if a.smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     text = table(res)

@@ -1,12 +1,13 @@
 """What is allocated at each system's memory peak, by allocation site (CUDA only).
 
     python bench/memory_peak.py [--systems stock,z3ext,z3ext-nohold] [gather_release options]
+    python bench/memory_peak.py --sim-world 8    # rank 0 of a simulated world of 8 on one GPU
 
 Same model, data and ranks as bench/gather_release.py. After warm-up steps, one training step runs
 under torch's allocator history; replaying it gives the peak over the step's starting allocation,
 the phase it falls in (forward, backward, optimizer step), and the live bytes at that moment grouped
 by the innermost frame of this repository, DeepSpeed or the benchmark's model that allocated them.
-Rank 0 writes bench/results/memory-<machine>.txt.
+Rank 0 writes bench/out/memory-<machine>.txt (untracked).
 """
 import sys
 from collections import defaultdict
@@ -54,12 +55,10 @@ def _replay(trace, marks):
 
 
 def _rank_main(argv):
-    import deepspeed
     import torch.distributed as dist
-    import deepspeed_z3ext
     a = gr.parse(argv)
-    torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
+    gr.init_distributed(a)
+    import deepspeed_z3ext
     device = torch.device("cuda", torch.cuda.current_device())
     x = gr.make_input(a, device)
     clock = gr.Clock(device)
@@ -114,9 +113,11 @@ def _rank_main(argv):
         del s, loss
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        machine = gr.machine_name(dist.get_world_size(), device)
-        text = f"# bench/memory_peak.py on {machine}, args {argv}\n" + "\n".join(lines) + "\n"
-        out = gr.ROOT / "bench" / "results" / f"memory-{machine}.txt"
+        machine = gr.machine_name(dist.get_world_size(), device, a.sim_world)
+        sim = f"# {gr.simworld.label(a.sim_world)}\n" if a.sim_world else ""
+        text = f"# bench/memory_peak.py on {machine}, args {argv}\n{sim}" + "\n".join(lines) + "\n"
+        gr.OUT_DIR.mkdir(parents=True, exist_ok=True)
+        out = gr.OUT_DIR / f"memory-{machine}.txt"
         out.write_text(text)
         print(text)
     dist.barrier()
@@ -130,6 +131,8 @@ def main():
     if not any(v.startswith("--systems") for v in argv):
         argv += ["--systems", "stock,z3ext,z3ext-nohold,z3ext-nopool"]
     a = gr.parse(argv)
+    if a.sim_world:  # one process: rank 0 of the simulated world
+        return _rank_main(argv)
     gr.spawn(_rank_main, argv, a.world or torch.cuda.device_count())
 
 

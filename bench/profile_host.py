@@ -1,9 +1,10 @@
 """Where the host time goes: cProfile of the tiny no_grad forward and of a training step, per system.
 
     python bench/profile_host.py [--systems z3ext,unsharded] [gather_release options]
+    python bench/profile_host.py --sim-world 8    # rank 0 of a simulated world of 8 on one device
 
 Same model, data and ranks as bench/gather_release.py (its options apply). Rank 0 writes the top
-functions by own time to bench/results/profile-<machine>.txt. cProfile inflates Python time; read
+functions by own time to bench/out/profile-<machine>.txt (untracked). cProfile inflates Python time; read
 the ranking, not the absolute numbers (those come from gather_release.py).
 """
 import cProfile
@@ -141,17 +142,16 @@ def run(a):
 
 
 def _entry(a):
-    import deepspeed
     import torch.distributed as dist
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False)
+    gr.init_distributed(a)
     sections = run(a)
     if dist.get_rank() == 0:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        machine = gr.machine_name(dist.get_world_size(), device)
-        out = gr.ROOT / "bench" / "results" / f"profile-{machine}.txt"
-        text = f"# bench/profile_host.py on {machine}, args {sys.argv[1:]}\n" + "\n".join(sections)
+        machine = gr.machine_name(dist.get_world_size(), device, a.sim_world)
+        gr.OUT_DIR.mkdir(parents=True, exist_ok=True)
+        out = gr.OUT_DIR / f"profile-{machine}.txt"
+        sim = f"# {gr.simworld.label(a.sim_world)}\n" if a.sim_world else ""
+        text = f"# bench/profile_host.py on {machine}, args {sys.argv[1:]}\n{sim}" + "\n".join(sections)
         out.write_text(text)
         print(text)
         print(f"# wrote {out}")
@@ -179,7 +179,7 @@ def parse(argv):
 
 def main():
     a = parse(sys.argv[1:])
-    if "RANK" in os.environ:
+    if "RANK" in os.environ or a.sim_world:  # under torchrun, or one process: rank 0 of the simulated world
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     gr.spawn(_rank_main, sys.argv[1:], world)

@@ -1,6 +1,7 @@
 """Where the optimizer step's time goes, phase by phase, for DeepSpeed's stage-3 step under each system.
 
     python bench/step_breakdown.py [--systems stock,z3ext-dsgrads,z3ext] [--gradient-clipping 0] [gather_release options]
+    python bench/step_breakdown.py --sim-world 8    # rank 0 of a simulated world of 8 on one device
 
 Same model, data and ranks as bench/gather_release.py. Each phase of `DeepSpeedZeroOptimizer_Stage3.step`
 is wrapped on the optimizer instance with a device synchronisation before and after (so phases do
@@ -92,25 +93,25 @@ def run(a):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     a = gr.parse(argv)
-    if a.systems == ",".join(gr.SYSTEMS):
-        a.systems = "stock,z3ext-dsgrads,z3ext"
-    gr.spawn(_rank_main, sys.argv[1:] if argv is None else argv, a.world or (torch.cuda.device_count() or 2))
+    if a.sim_world:  # one process: rank 0 of the simulated world
+        return _rank_main(argv)
+    gr.spawn(_rank_main, argv, a.world or (torch.cuda.device_count() or 2))
 
 
 def _rank_main(argv):
-    import deepspeed
     import torch.distributed as dist
     a = gr.parse(argv)
     if a.systems == ",".join(gr.SYSTEMS):
         a.systems = "stock,z3ext-dsgrads,z3ext"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False)
+    gr.init_distributed(a)
     rows, peaks, notes, rank = run(a)
     if rank == 0:
         names = list(rows)
         keys = [k for k in PHASES + ("optimizer.step + zero_grad", "step") if any(k in r for r in rows.values())]
+        if a.sim_world:
+            print(f"# {gr.simworld.label(a.sim_world)}")
         print(f"# optimizer step phases, ms per step (median of {a.steps}), world {dist.get_world_size()}, "
               f"model {a.model} layers {a.layers} hidden {a.hidden}, dtype {a.dtype}")
         print(f"{'phase':>45} " + " ".join(f"{n:>14}" for n in names))

@@ -9,7 +9,7 @@ namespace py = pybind11;
 using namespace z3ext;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "deepspeed_z3ext C++ ops: pooled coalesced all-gather, claims, release on last claim";
+  m.doc() = "deepspeed_z3ext C++ ops: coalesced all-gather, claims, true release on last claim";
 #ifdef Z3EXT_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
@@ -62,8 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("handles", [](const FetchUnit& u) { return u.handles; });
 
   py::class_<GatherEngine, std::shared_ptr<GatherEngine>>(m, "GatherEngine")
-      .def(py::init<int64_t, py::object, py::object>(), py::arg("pool_budget_bytes"),
-           py::arg("status_available"), py::arg("status_not_available"))
+      .def(py::init<py::object, py::object>(), py::arg("status_available"), py::arg("status_not_available"))
       .def("make_handle", &GatherEngine::make_handle)
       .def("conflict", &GatherEngine::conflict, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("to_claim"))
@@ -76,29 +75,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drop_kinds", &GatherEngine::drop_kinds)
       .def("sweep", &GatherEngine::sweep)
       .def("drop_owners", &GatherEngine::drop_owners, py::arg("kind"), py::arg("owners"))
-      .def_property_readonly("orphan_records", &GatherEngine::orphan_records)
       .def("write_back", &GatherEngine::write_back)
       .def("set_residency", &GatherEngine::set_residency, py::arg("residency"))  // [Note: partition residency]
       .def_property_readonly("residency", &GatherEngine::residency)
       .def("destroy", &GatherEngine::destroy)
-      .def("live_orphans", &GatherEngine::live_orphans)
+      .def("stale_references", &GatherEngine::stale_references)  // [Note: true release]
       .def_property_readonly("handles", &GatherEngine::handles)
       .def_property_readonly("live_numel", [](const GatherEngine& e) { return e.stats().live_numel; })
       .def("stats", [](const GatherEngine& e) {
         const auto& s = e.stats();
-        const auto& p = e.pool_stats();
         py::dict d;
         d["live_bytes"] = s.live_bytes;
         d["peak_live_bytes"] = s.peak_live_bytes;
         d["gathered_params"] = s.gathered_params;
         d["released_params"] = s.released_params;
         d["collectives"] = s.collectives;
-        d["pool_cached_bytes"] = p.cached_bytes;
-        d["pool_budget_bytes"] = e.pool_budget_bytes();
-        d["pool_acquired"] = p.acquired;
-        d["pool_reused"] = p.reused;
-        d["pool_orphaned"] = p.orphaned;
-        d["pool_evicted"] = p.evicted;
+        d["refilled"] = s.refilled;
         return d;
       });
 

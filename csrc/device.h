@@ -1,8 +1,9 @@
 // Device synchronisation for z3ext: a dedicated gather stream and events on CUDA, nothing on CPU.
-// [Note: z3ext streams] Gathers run on one stream per engine. Buffers are allocated on the compute
-// (current) stream before switching, so the caching allocator ties them to the stream that reads
-// them; the gather stream only writes them before the unit's ready event. Reuse of a pooled buffer
-// is ordered by the event recorded when it was given back, never by record_stream.
+// [Note: z3ext streams] Gathers run on one stream per engine. Gathered storages get their memory on
+// the compute (current) stream before switching, so the caching allocator ties it to the stream that
+// reads it; the gather stream waits for the compute stream's work queued so far, then writes it
+// before the unit's ready event. Freeing it ([Note: true release], engine.h) first makes the compute
+// stream wait for that event, never record_stream.
 #pragma once
 #include <torch/extension.h>
 #include <memory>

@@ -1,32 +1,31 @@
-// GatherEngine: per-DeepSpeed-engine owner of handles, the buffer pool and the gather stream.
+// GatherEngine: per-DeepSpeed-engine owner of handles, their gathered storages and the gather stream.
 // One call per fetch unit gathers (unshard) or releases (reshard); no Python loop per parameter.
 #pragma once
 #include <memory>
 #include <tuple>
 #include <utility>
 #include "collectives.h"
-#include "pool.h"
 #include "residency.h"
 #include "unit.h"
 
 namespace z3ext {
 
 struct EngineStats {
-  int64_t live_bytes = 0;       // bytes of gathered buckets currently held
+  int64_t live_bytes = 0;       // bytes of gathered storages currently holding memory
   int64_t live_numel = 0;       // their elements (the unit of stage3_max_live_parameters)
   int64_t peak_live_bytes = 0;
   int64_t gathered_params = 0;  // parameters made full since creation
   int64_t released_params = 0;
   int64_t collectives = 0;      // all-gathers issued
+  int64_t refilled = 0;         // gathers into a storage a previous gather made ([Note: true release])
 };
 
 class GatherEngine {
  public:
   static constexpr Claim kPersist{ClaimKind::Persist, kSharedOwner};
 
-  GatherEngine(int64_t pool_budget_bytes, py::object status_available, py::object status_not_available)
-      : pool_(pool_budget_bytes),
-        available_(std::move(status_available)),
+  GatherEngine(py::object status_available, py::object status_not_available)
+      : available_(std::move(status_available)),
         not_available_(std::move(status_not_available)) {}
 
   HandlePtr make_handle(py::object param, std::string name, int64_t ds_id, int64_t numel,
@@ -163,7 +162,7 @@ class GatherEngine {
   }
   py::object residency() const { return residency_ ? residency_->obj : py::none(); }
 
-  // Releases everything: every claim dropped, every bucket back, the pool emptied.
+  // Releases everything: every claim dropped, every storage emptied.
   void destroy() {
     residency_.reset();  // its Python references go while Python is up
     for (const auto& h : handles_) {
@@ -171,29 +170,25 @@ class GatherEngine {
       if (h->bucket) release(*h);
     }
     handles_.clear();
-    pool_.clear();
   }
 
-  // Names of parameters whose released buffers are still referenced outside z3ext (see
-  // [Note: pool reuse hazard]); entries whose storage has since died are forgotten.
-  std::vector<std::string> live_orphans() {
-    prune_orphans();
+  // Names of released parameters whose (empty) gathered storage something besides z3ext still
+  // references: a view kept from a forward or a GatheredParameters block, an autograd graph not
+  // freed. It holds no memory ([Note: true release]) but reading it raises.
+  std::vector<std::string> stale_references() const {
     std::vector<std::string> names;
-    for (const auto& o : orphans_) names.insert(names.end(), o.names.begin(), o.names.end());
+    for (const auto& h : handles_)
+      if (!h->bucket && h->full.defined() && h->full.storage().use_count() > 1) names.push_back(h->name);
     return names;
   }
 
-  int64_t orphan_records() const { return static_cast<int64_t>(orphans_.size()); }
-
   const EngineStats& stats() const { return stats_; }
-  const PoolStats& pool_stats() const { return pool_.stats(); }
-  int64_t pool_budget_bytes() const { return pool_.budget_bytes(); }
   const std::vector<HandlePtr>& handles() const { return handles_; }
 
  private:
   // [Note: one release routine] Every way claims end (reshard, drop_kinds, drop_owners, sweep) goes
   // through here: `drop(handle)` removes claims and says whether the handle is to be checked; a
-  // checked handle left without claims and still gathered is released (its buffer back to the pool).
+  // checked handle left without claims and still gathered is released ([Note: true release]).
   template <class Handles, class Drop>
   int64_t drop_and_release(const Handles& handles, Drop&& drop) {
     int64_t released = 0;
@@ -279,10 +274,8 @@ class GatherEngine {
 
   // Gathers `params` (all partitioned), grouped by (process group, dtype, device, persistence) in
   // ds_id order.
-  // [Note: persistent buckets] A bucket's buffer lives until its last parameter is released, and a
-  // persistent parameter is never released: sharing a bucket with it would pin the whole bucket
-  // (a prefetch batch: tens of millions of elements) for the engine's life. Persistent parameters
-  // are gathered into buckets of their own.
+  // [Note: persistent buckets] Persistent parameters are gathered in collectives of their own: a
+  // bucket's fence is shared by its parameters, and a persistent one is never released.
   void gather(const std::vector<ParamHandle*>& params, bool defer) {
     using Key = std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>;
     std::vector<Key> keys;
@@ -306,24 +299,23 @@ class GatherEngine {
     for (auto& g : groups) gather_group(g, defer);
   }
 
-  // [Note: parameter-major buckets] A bucket's buffer holds its parameters one after another, each
-  // as the `world` partitions of its padded flat tensor, so a parameter is a view of the buffer.
-  // One coalesced all-gather fills it: input i is parameter i's partition itself and output i its
-  // slice of the buffer. No staging buffer, no copy-in, no copy-out: on a host-bound forward each
-  // copy kernel cost more launch time than bandwidth, and the staging buffer doubled the transient
-  // memory of a batch. The GPU pays instead: NCCL runs a coalesced gather of several tensors at about
-  // half the bandwidth of one flat buffer (bench/allgather_forms.py, bench/NOTES.md v14), which shows
-  // only where the gather, not the host, bounds a forward. Partitions on another device than the
-  // bucket (NVMe offload reads them into host buffers) are first copied into the rank's own block of
-  // their output and gathered in place.
+  // [Note: parameter-major buckets] One coalesced all-gather fills a bucket: input i is parameter
+  // i's partition itself and output i the parameter's own gathered storage (`full`: the `world`
+  // partitions of its padded flat tensor), so a parameter is a view of its storage. No staging
+  // buffer, no copy-in, no copy-out: on a host-bound forward each copy kernel cost more launch time
+  // than bandwidth, and a staging buffer doubled the transient memory of a batch. The GPU pays
+  // instead: NCCL runs a coalesced gather of several tensors at about half the bandwidth of one flat
+  // buffer (bench/allgather_forms.py, bench/NOTES.md v14), which shows only where the gather, not the
+  // host, bounds a forward. One storage per parameter (not per bucket) is what lets a unit be
+  // released and re-filled on its own ([Note: true release]). Partitions on another device than the
+  // parameter (NVMe offload reads them into host buffers) are first copied into the rank's own block
+  // of their output and gathered in place.
   void gather_group(std::vector<std::pair<ParamHandle*, at::Tensor>>& params, bool defer) {
     at::NoGradGuard no_grad;
     ParamHandle& first = *params.front().first;
     const at::Device device = first.tensor.device();
     const at::ScalarType dtype = params.front().second.scalar_type();
     const int64_t world = first.world;
-    int64_t per_rank = 0;
-    for (auto& hp : params) per_rank += hp.first->partition_numel;
 
     auto bucket = std::make_shared<Bucket>();
     // [Note: world of one] In a group of one rank a partition is its whole (padded) parameter: the
@@ -341,33 +333,26 @@ class GatherEngine {
         return;
       }
     }
-    // Allocated on the compute stream: see [Note: z3ext streams].
-    at::Tensor buf = pool_.acquire(world * per_rank, dtype, device);
+    // Storages are (re)filled with memory on the compute stream: see [Note: z3ext streams].
+    std::vector<at::Tensor> outs;
+    outs.reserve(params.size());
+    for (auto& hp : params) outs.push_back(unshard_storage(*hp.first, world, dtype, device));
     Fence ready;
     stream_.run(device, [&] {
       std::vector<at::Tensor> flat;
       flat.reserve(params.size());
       for (auto& hp : params) flat.push_back(hp.second.reshape({-1}));
       if (world == 1) {
-        // Partitions on another device (above: same-device ones are viewed): copied back to back.
-        int64_t off = 0;
-        for (auto& f : flat) {
-          buf.narrow(0, off, f.numel()).copy_(f, /*non_blocking=*/true);
-          off += f.numel();
-        }
+        // Partitions on another device (above: same-device ones are viewed).
+        for (size_t i = 0; i < params.size(); ++i) outs[i].copy_(flat[i], /*non_blocking=*/true);
       } else {
-        std::vector<at::Tensor> outs;
-        outs.reserve(params.size());
-        int64_t off = 0;
         for (size_t i = 0; i < params.size(); ++i) {
-          const int64_t n = params[i].first->partition_numel;
-          outs.push_back(buf.narrow(0, off, world * n));
           if (flat[i].device() != device) {
-            at::Tensor mine = outs.back().narrow(0, params[i].first->rank * n, n);
+            const int64_t n = params[i].first->partition_numel;
+            at::Tensor mine = outs[i].narrow(0, params[i].first->rank * n, n);
             mine.copy_(flat[i], /*non_blocking=*/true);
             flat[i] = mine;
           }
-          off += world * n;
         }
         if (outs.size() == 1) {
           all_gather_into(*first.group, outs[0], flat[0]);
@@ -384,69 +369,97 @@ class GatherEngine {
     } else {
       ready.wait_on_current(device);
     }
-    bucket->buffer = buf;
-    int64_t off = 0;
-    for (auto& hp : params) {
-      ParamHandle* h = hp.first;
-      h->tensor.set_data(buf.narrow(0, off, h->numel).view(h->shape));
+    for (size_t i = 0; i < params.size(); ++i) {
+      ParamHandle* h = params[i].first;
+      h->tensor.set_data(outs[i].narrow(0, 0, h->numel).view(h->shape));
       adopt(*h, bucket);
-      off += world * h->partition_numel;
     }
     stats_.gathered_params += static_cast<int64_t>(params.size());
-    stats_.live_bytes += buf.numel() * buf.element_size();
-    stats_.live_numel += buf.numel();
     stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
+  }
+
+  // [Note: true release] A released parameter returns its gathered memory to the allocator at once,
+  // whatever still references it: autograd's saved `weight.t()` of nn.Linear, the weight saved by
+  // conv, bmm or matmul, a tied or external parameter saved by another module, a `.detach()` view.
+  // (Before, `.data` was swapped for the empty placeholder and the buffer was merely dropped, so
+  // every saved view kept its whole buffer alive until backward consumed it: the hold bound and
+  // `hold_for_backward: false` bounded nothing.) As in FSDP2 (`_fsdp_param.py` free_storage /
+  // alloc_storage), each parameter has one gathered storage for the handle's life (`full`):
+  // - release (free_storage): `.data` becomes the empty placeholder (DeepSpeed's NOT_AVAILABLE
+  //   invariant), the storage's data pointer is dropped (its memory goes back to the allocator:
+  //   glibc on CPU, the caching allocator on CUDA) and its size set to 0 bytes; the storage is
+  //   marked so that any read of its data raises an error naming the parameter (torch's
+  //   custom data-pointer error, the one FakeTensor uses). Creating a new view of it raises torch's
+  //   own "out of bounds for storage of size 0". Never garbage, never a silent zero.
+  // - gather (alloc_storage): the same storage gets fresh memory of its full size from its own
+  //   allocator on the compute stream, the mark is cleared, and the all-gather writes into it; every
+  //   view saved earlier sees the gathered values again. The write goes through `full`, a tensor of
+  //   z3ext's own, never through the parameter: the parameter's version counter (shared by the
+  //   views autograd saved of it) does not move, so the re-fill cannot trip autograd's "modified by
+  //   an inplace operation" check (FSDP2, which copies into the parameter itself, needs
+  //   `_unsafe_preserve_version_counter` for that).
+  // Before an autograd node that saved such a view runs, the parameter is gathered again: a held
+  // module still holds it (graphs.py [Note: graph claims]); one that was not held gets it from its
+  // backward claim, gathered when its outputs' gradient arrives; recomputation gathers as a forward.
+  // CUDA: the memory is allocated on the compute stream; the gather stream writes it only after
+  // waiting for the compute stream's work queued before the allocation ([Note: z3ext streams]),
+  // and before freeing it the compute stream waits for the gather that wrote it (`wait_ready`), so
+  // the caching allocator, which reuses a block in its stream's order, never hands it out while the
+  // gather stream still writes it. No record_stream. No pool: the caching allocator already
+  // recycles blocks on CUDA, and a pool would keep released memory the rest of the program could
+  // use (on CPU a re-fill of 64 MiB pays fresh pages from glibc: about 3x the copy on the 2-core
+  // test VM; CPU runs are tests, not the target).
+  at::Tensor unshard_storage(ParamHandle& h, int64_t world, at::ScalarType dtype, const at::Device& device) {
+    const int64_t numel = world * h.partition_numel;
+    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    if (!h.full.defined() || h.full.scalar_type() != dtype || h.full.device() != device || h.full.numel() != numel) {
+      h.full = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+    } else {
+      c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
+      s->clear_data_ptr_access_error_msg_();
+      s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+      s->set_nbytes(nbytes);
+      stats_.refilled++;
+    }
+    h.full_live = true;
+    stats_.live_bytes += nbytes;
+    stats_.live_numel += numel;
+    return h.full;
+  }
+
+  void reshard_storage(ParamHandle& h) {
+    if (!h.full_live) return;  // [Note: world of one]: a view of the partition, which stays
+    h.full_live = false;
+    const int64_t nbytes = static_cast<int64_t>(h.full.storage().nbytes());
+    stats_.live_bytes -= nbytes;
+    stats_.live_numel -= h.full.numel();
+    c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, h.full.device()));  // frees the memory
+    s->set_nbytes(0);
+    s->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        "z3ext: " + h.describe() +
+        " was released (ZeRO-3): this tensor is a view of its gathered storage, which holds no memory "
+        "until the parameter is gathered again. Read it inside the module's forward, a "
+        "GatheredParameters block, or keep a .clone()");
   }
 
   // `h` (its data already set) is gathered into `bucket`.
   void adopt(ParamHandle& h, const std::shared_ptr<Bucket>& bucket) {
     h.param.attr("ds_status") = available_;
     h.bucket = bucket;
-    bucket->live++;
-    bucket->names.push_back(h.name);
   }
 
   void release(ParamHandle& h) {
     const at::Device device = h.tensor.device();
-    // A prefetch released unused: its buffer is reusable only after the gather that wrote it.
+    // A prefetch released unused: its memory is free for reuse only after the gather that wrote it.
     h.bucket->wait_ready(device);
     h.tensor.set_data(at::empty({0}, h.tensor.options()));
     h.param.attr("ds_status") = not_available_;
-    std::shared_ptr<Bucket> bucket = std::move(h.bucket);
     h.bucket.reset();
     stats_.released_params++;
-    if (--bucket->live == 0 && bucket->buffer.defined()) {  // no buffer: [Note: world of one]
-      stats_.live_bytes -= bucket->buffer.numel() * bucket->buffer.element_size();
-      stats_.live_numel -= bucket->buffer.numel();
-      at::Tensor buf = std::move(bucket->buffer);
-      bucket->buffer.reset();
-      c10::weak_intrusive_ptr<c10::StorageImpl> storage(buf.storage().getWeakStorageImpl());
-      if (!pool_.give_back(std::move(buf), Fence::record_current(device))) {
-        orphans_.push_back(Orphan{std::move(bucket->names), std::move(storage)});
-        // Bounded whatever the config: records whose storage died are dropped whenever the list
-        // doubles since the last prune (amortised O(1) per release).
-        if (orphans_.size() >= 2 * orphans_pruned_size_ + 64) {
-          prune_orphans();
-          orphans_pruned_size_ = orphans_.size();
-        }
-      }
-    }
+    reshard_storage(h);
   }
 
-  struct Orphan {
-    std::vector<std::string> names;
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  };
-  std::vector<Orphan> orphans_;
-  size_t orphans_pruned_size_ = 0;
-
-  void prune_orphans() {
-    orphans_.erase(std::remove_if(orphans_.begin(), orphans_.end(),
-                                  [](const Orphan& o) { return o.storage.expired(); }),
-                   orphans_.end());
-  }
-
-  BufferPool pool_;
   GatherStream stream_;
   py::object available_;
   py::object not_available_;

@@ -10,11 +10,9 @@
 namespace z3ext {
 namespace py = pybind11;
 
-// A flat buffer shared by the parameters gathered together; back to the pool when `live` hits 0.
+// The parameters gathered by one collective: they share its completion fence. Each parameter's
+// gathered memory is its own storage (ParamHandle::full), see [Note: true release] in engine.h.
 struct Bucket {
-  at::Tensor buffer;
-  int live = 0;
-  std::vector<std::string> names;  // for leak reports
   // [Note: deferred wait] A prefetched bucket's gather may still be running on the gather stream;
   // the compute stream waits on `ready` only when a claimant first uses it (or it is released or
   // written back), so the gather overlaps the compute queued before that point.
@@ -44,6 +42,12 @@ struct ParamHandle {
   bool persist = false;  // ds_persist: every gather also takes a Persist claim
   ClaimSet claims;
   std::shared_ptr<Bucket> bucket;  // set while gathered
+  // The parameter's gathered storage (1-D, world * partition_numel, padded), made at its first gather
+  // and kept for the handle's life: 0 bytes while released, re-filled in place by the next gather, so
+  // views of it saved by autograd see valid data again ([Note: true release]). Undefined until then
+  // and for a parameter that views its own partition ([Note: world of one]).
+  at::Tensor full;
+  bool full_live = false;  // `full` holds its bytes (gathered into it)
 
   ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
 

@@ -4,13 +4,17 @@
     engine, *_ = deepspeed.initialize(..., config={..., "zero_optimization": {"stage": 3}, "z3ext": True})
 
 The first import JIT-builds the ops (cached afterwards). Without a "z3ext" section DeepSpeed is
-unchanged.
+unchanged. Installed with pip, the import is not needed: a config that enables z3ext imports this
+package at its DeepSpeedConfig check ([Note: activation] in deepspeed_z3ext_activate.py).
 """
+import sys as _sys
+
+import deepspeed_z3ext_activate as _activation
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
 from deepspeed_z3ext.claims import ClaimError, ClaimKind
-from deepspeed_z3ext.errors import AioError, GradientError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.errors import AioError, GradientError, Z3extActivationError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.seams import install, installed, uninstall
 from deepspeed_z3ext.stats import Z3extStats, grad_stats, stats
@@ -18,9 +22,17 @@ from deepspeed_z3ext import deepspeed_private as _private
 
 __version__ = "0.1.0"
 
-_ops()  # build or load now, so a broken toolchain fails at import with instructions
-_private.check_version()
-install()
+# `python -m deepspeed_z3ext` (the report, report.py) imports this package while sys.argv[0] is "-m":
+# it must run where the build would fail, and changes nothing in DeepSpeed. Only that command: another
+# `python -m pkg.mod` whose package imports deepspeed_z3ext builds and installs as usual.
+_orig = getattr(_sys, "orig_argv", [])
+_report_only = (_sys.argv[:1] == ["-m"] and "-m" in _orig and _orig.index("-m") + 1 < len(_orig)
+                and _orig[_orig.index("-m") + 1] == "deepspeed_z3ext")
+if not _report_only:
+    _ops()  # build or load now, so a broken toolchain fails at import with instructions
+    _private.check_version()
+    _activation.install_check()  # under the seams (which wrap it), also when the package was not installed with its .pth
+    install()
 
-__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
+__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
            "FallbackStats", "aio_handle", "AioError", "install", "uninstall", "installed"]

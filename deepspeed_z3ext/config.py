@@ -27,7 +27,8 @@ class Z3extConfig(BaseModel):
     """Let z3ext own ZeRO-3 parameter gather and release for this engine."""
 
     pool_budget_mb: StrictInt = Field(1024, ge=0)
-    """Bytes (in MiB) of released gather buffers kept for reuse; 0 disables reuse."""
+    """Accepted for existing configs; no effect: released gathered memory goes back to the allocator at
+    once, no buffer pool ([Note: true release] in csrc/engine.h)."""
 
     hold_for_backward: StrictBool = True
     """Parameters a module gathered in a grad-enabled forward stay claimed for its backward (no

@@ -45,6 +45,7 @@ false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, 
 `z3ext.reduce_gradients: false`.
 """
 import collections
+import functools
 import operator
 import time
 import weakref
@@ -54,7 +55,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
 
-from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext import comms, deepspeed_private as private
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.errors import GradientError
 from deepspeed_z3ext.state import group_of, of_optimizer, of_param
@@ -175,6 +176,9 @@ class GradReducer:
         grads = [p.grad for p in params]
         dests = [partitions[p.ds_id] for p in params]
         accumulate = optimizer.micro_step_id != 0
+        reduce_scatter = ops().reduce_scatter_grads
+        if comms.enabled():  # DeepSpeed's comms logger records it ([Note: comms logger])
+            reduce_scatter = functools.partial(comms.logged_reduce_scatter, reduce_scatter, grads, self.comm_dtype, world)
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
             while self._events and self._events[0].query():
@@ -183,13 +187,12 @@ class GradReducer:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
             with get_accelerator().stream(stream):
-                reduced, _ = ops().reduce_scatter_grads(group, grads, dests, rank, world, self.comm_dtype, scale,
-                                                        accumulate)
+                reduced, _ = reduce_scatter(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
                 event = get_accelerator().Event()
                 event.record()
                 self._events.append(event)
         else:
-            reduced, _ = ops().reduce_scatter_grads(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+            reduced, _ = reduce_scatter(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
         for p in params:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
             p.grad = None
         self._n_flushes += 1

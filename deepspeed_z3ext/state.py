@@ -1,6 +1,6 @@
 """Z3extState: everything z3ext holds for one DeepSpeed engine.
 
-[Note: per-engine state] The C++ GatherEngine (handles, claims, pool, gather stream) is created per
+[Note: per-engine state] The C++ GatherEngine (handles, claims, gathered storages, gather stream) is created per
 engine; parameters point at their handle through `param._z3ext_handle`, so re-wrapping a model with a
 new engine re-points them and the old engine's state is unreachable from the model. Nothing is
 process-global except the class-level seams installed at import (seams.py).
@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
-from deepspeed_z3ext import claims
+from deepspeed_z3ext import claims, comms
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext import entry
 
@@ -74,8 +74,9 @@ class Z3extState:
     def __init__(self, module: torch.nn.Module, config):
         self.config = config
         self.module = module
-        self.engine = ops().GatherEngine(config.pool_budget_mb << 20, ZeroParamStatus.AVAILABLE,
-                                         ZeroParamStatus.NOT_AVAILABLE)
+        self.engine = ops().GatherEngine(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
+        if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
+            self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size())
         self._units = {}  # module ds_id -> (n external params, FetchUnit)
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
@@ -157,13 +158,14 @@ class Z3extState:
         self.grad_reducer = None
 
     def check_leaks(self, when):
-        """Raises naming parameters gathered without a claim, or whose released full tensor is still
-        referenced outside z3ext (it would leak into the next step)."""
+        """Raises naming parameters gathered without a claim, or whose released (empty) gathered storage is
+        still referenced outside z3ext: a view kept past its release, whose reads raise ([Note: true release])."""
         gathered = ops().ParamState.GATHERED
         unclaimed = [h.name for h in self.engine.handles if h.state == gathered and not h.claims]
-        leaked = self.engine.live_orphans()
+        leaked = self.engine.stale_references()
         if unclaimed or leaked:
             raise RuntimeError(f"z3ext leak check ({when}): " +
                                (f"gathered without a claim: {unclaimed}; " if unclaimed else "") +
-                               (f"released but still referenced elsewhere (a tensor kept from a forward or a "
-                                f"GatheredParameters block?): {sorted(set(leaked))}" if leaked else ""))
+                               (f"released but still referenced elsewhere (a view kept from a forward or a "
+                                f"GatheredParameters block? it holds no memory, and reading it raises): "
+                                f"{sorted(set(leaked))}" if leaked else ""))

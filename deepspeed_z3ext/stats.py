@@ -3,18 +3,21 @@ from typing import Dict, List, NamedTuple, Tuple
 
 
 class Z3extStats(NamedTuple):
-    live_bytes: int                 # bytes of gathered buffers z3ext holds now
+    live_bytes: int                 # bytes of gathered storages holding memory now ([Note: true release])
     peak_live_bytes: int
     gathered: List[str]             # names of parameters gathered now
     claims: Dict[str, List[Tuple[str, int]]]  # parameter name -> [(claim kind, owner)], claimed ones only
     collectives: int                # all-gathers issued since the engine was created
     gathered_params: int            # parameter gathers since creation
-    pool_cached_bytes: int          # released buffers kept for reuse
+    # No buffer pool since true release (released memory goes back to the allocator at once, see
+    # [Note: true release] in csrc/engine.h): these stay 0 and are kept for readers of older versions.
+    pool_cached_bytes: int
     pool_budget_bytes: int
     pool_reused: int
-    pool_orphaned: int              # buffers not reused because another reader still held them
+    pool_orphaned: int
     nvme_reads: int = 0             # NVMe partitions read in for gathers ([Note: nvme offload])
     nvme_read_ahead_hits: int = 0   # of those, read ahead before their gather ([Note: nvme read-ahead])
+    refilled_params: int = 0        # gathers into a storage a previous gather made (views of it valid again)
 
 
 def state_of(engine):
@@ -23,7 +26,8 @@ def state_of(engine):
     state = of_engine(engine)
     if state is None:
         raise ValueError("z3ext is not enabled for this engine: add \"z3ext\": true to its DeepSpeed config "
-                         "(with zero_optimization.stage 3) and import deepspeed_z3ext before deepspeed.initialize")
+                         "(with zero_optimization.stage 3); installed with pip, z3ext attaches itself, else import deepspeed_z3ext "
+                         "before deepspeed.initialize")
     return state
 
 
@@ -42,8 +46,8 @@ def stats(engine) -> Z3extStats:
             claims[h.name] = [(k.name.lower(), owner) for k, owner in cs]
     return Z3extStats(live_bytes=s["live_bytes"], peak_live_bytes=s["peak_live_bytes"], gathered=gathered,
                       claims=claims, collectives=s["collectives"], gathered_params=s["gathered_params"],
-                      pool_cached_bytes=s["pool_cached_bytes"], pool_budget_bytes=s["pool_budget_bytes"],
-                      pool_reused=s["pool_reused"], pool_orphaned=s["pool_orphaned"],
+                      pool_cached_bytes=0, pool_budget_bytes=0, pool_reused=0, pool_orphaned=0,
+                      refilled_params=s["refilled"],
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
 

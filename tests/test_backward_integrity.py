@@ -239,11 +239,10 @@ def train_next_to_stock(case, steps=8):
         out[name] = dict(losses=losses, params=full_params(engine), problems=problems)
         if name == "z3ext":
             out["collectives"] = deepspeed_z3ext.stats(engine).collectives
-            out["orphan_records"] = engine.optimizer.parameter_offload.z3ext.engine.orphan_records
         engine.destroy()
     mismatched = [n for n in out["stock"]["params"] if not torch.equal(out["stock"]["params"][n], out["z3ext"]["params"][n])]
     return dict(stock_losses=out["stock"]["losses"], z3_losses=out["z3ext"]["losses"], mismatched=mismatched,
-                problems=out["z3ext"]["problems"], collectives=out["collectives"], orphans=out["orphan_records"])
+                problems=out["z3ext"]["problems"], collectives=out["collectives"])
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))

@@ -1,4 +1,4 @@
-"""Core behaviour on 2 real gloo ranks: config validation and dispatch, the pool's reuse guard,
+"""Core behaviour on 2 real gloo ranks: config validation and dispatch, a view kept past release,
 per-parameter process groups, engine teardown."""
 import pytest
 
@@ -76,10 +76,11 @@ def test_config_validation_and_dispatch():
     assert "not enabled" in r["stats_on_stock"]
 
 
-# ------------------------------------------------------------------------------------------ pool
-def pool_hazard():
-    """Try to break buffer recycling: keep a view of a gathered weight past its release, then make
-    z3ext gather and release same-sized buffers many times. The view must keep its values."""
+# ------------------------------------------------------------------------------------------ release
+def released_view():
+    """Keep a view of a gathered weight past its release, then make z3ext gather and release
+    same-sized weights many times: the view holds no memory and reading it raises, naming the
+    parameter, never another weight's values ([Note: true release])."""
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -89,25 +90,25 @@ def pool_hazard():
     engine = build_engine(ds_config(z3ext=True, persistence=0, ga=1))
     w = engine.module.blocks[0].fc1.weight
     with deepspeed.zero.GatheredParameters([w]):
-        kept = w.detach()  # shares the pooled buffer's storage
-        expected = kept.clone()
-    assert w.ds_status.name == "NOT_AVAILABLE" and kept.numel() == expected.numel()
-    before = deepspeed_z3ext.stats(engine)
-    other = engine.module.blocks[1].fc1.weight  # same shape: same pool key as the kept buffer
+        kept = w.detach()  # shares w's gathered storage
+    assert w.ds_status.name == "NOT_AVAILABLE" and kept.untyped_storage().nbytes() == 0
+    other = engine.module.blocks[1].fc1.weight  # same shape
     for step in range(3):
-        with torch.no_grad():  # no autograd-saved views: released buffers are free for reuse
+        with torch.no_grad():
             engine(batch(step, dist.get_rank()))
         with deepspeed.zero.GatheredParameters([other]):
-            assert not torch.equal(other, expected)
-    after = deepspeed_z3ext.stats(engine)
-    return dict(intact=bool(torch.equal(kept, expected)), orphaned=after.pool_orphaned, reused=after.pool_reused - before.pool_reused, live=after.live_bytes)
+            pass
+    try:
+        kept.sum()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return dict(error=error, live=deepspeed_z3ext.stats(engine).live_bytes)
 
 
-def test_pool_never_recycles_a_buffer_someone_still_reads():
-    for r in run_on_ranks(pool_hazard):
-        assert r["intact"], "a released buffer was recycled under a live view"
-        assert r["orphaned"] >= 1
-        assert r["reused"] > 0, "no buffer was reused: the test did not exercise recycling"
+def test_a_view_kept_past_release_raises_instead_of_reading_reused_memory():
+    for r in run_on_ranks(released_view):
+        assert r["error"] is not None and "blocks.0.fc1.weight" in r["error"], r
         assert r["live"] == 0
 
 

@@ -1,10 +1,11 @@
 """One seam layer ([Note: seams] in seams.py): z3ext changes DeepSpeed's classes only there, and can be
-uninstalled in a process. On 2 real gloo ranks: a stock engine trained before z3ext is imported, a
-z3ext engine, then after `deepspeed_z3ext.uninstall()` every replaced attribute is DeepSpeed's own
-object again (an inherited `__new__`: `seams.plain_new`, which constructs as object's did) and an
-engine built from a config that still says `"z3ext": true` is a stock engine training bitwise like
-the first; `install()` brings z3ext back. Plus a static check that no other module assigns to an
-attribute of a DeepSpeed object."""
+uninstalled in a process. On 2 real gloo ranks: a stock engine (no "z3ext" in its config) trained
+before z3ext is imported, a z3ext engine, then after `deepspeed_z3ext.uninstall()` every replaced
+attribute is what it was before the import (an inherited `__new__`: `seams.plain_new`, which constructs
+as object's did; `_do_sanity_check`: the activation check, [Note: activation]), a config that still says
+`"z3ext": true` is refused by name (never stock silently) and a stock engine trains bitwise like the
+first; `install()` brings z3ext back. Plus a static check that no other module assigns to an
+attribute of a DeepSpeed object (the activation module: only its one check)."""
 import ast
 import pathlib
 
@@ -68,8 +69,10 @@ def _train(z3ext, steps=3):
 
 def install_uninstall():
     import torch
+    import deepspeed_z3ext_activate
+    deepspeed_z3ext_activate.install_check()  # what the .pth does at `import deepspeed` (a no-op if it did)
     before, absent = _snapshot()
-    stock_losses, stock_params, is_z3ext, engine = _train(z3ext=True)  # z3ext not imported: DeepSpeed ignores the key
+    stock_losses, stock_params, is_z3ext, engine = _train(z3ext=False)
     assert not is_z3ext
     engine.destroy()
 
@@ -93,7 +96,12 @@ def install_uninstall():
     out["restored"] = [f"{cls.__name__}.{attr}" for cls, attr, own in before
                        if cls.__dict__.get(attr, absent) is own or (attr == "__new__" and own is absent and
                                                                     cls.__dict__.get(attr) is plain_new)]
-    u_losses, u_params, is_z3ext, engine = _train(z3ext=True)
+    try:
+        _train(z3ext=True)
+        out["refused_after_uninstall"] = None
+    except deepspeed_z3ext.Z3extActivationError as e:
+        out["refused_after_uninstall"] = str(e)
+    u_losses, u_params, is_z3ext, engine = _train(z3ext=False)
     out["engine_after_uninstall_is_z3ext"] = is_z3ext
     out["stock_equal_after_uninstall"] = (all(torch.equal(a, b) for a, b in zip(stock_losses, u_losses)) and
                                           all(torch.equal(a, b) for a, b in zip(stock_params, u_params)))
@@ -118,6 +126,7 @@ def test_uninstall_gives_deepspeed_back_and_install_returns():
         assert r["refused_while_alive"] and "engine.destroy()" in r["refused_while_alive"], r
         assert r["installed_after"] == 0, r
         assert len(r["restored"]) == len(SEAMS), f"rank {rank}: restored only {r['restored']}"
+        assert r["refused_after_uninstall"] and "uninstall()" in r["refused_after_uninstall"], r
         assert not r["engine_after_uninstall_is_z3ext"], r
         assert r["stock_equal_after_uninstall"], f"rank {rank}: a stock engine after uninstall trains differently"
         assert r["z3ext_again"] and r["z3ext_equal_after_reinstall"], r
@@ -166,3 +175,5 @@ def test_only_the_seam_layer_assigns_to_deepspeed():
     allowed = {"seams.py", "deepspeed_private.py"}
     found = [f for p in sorted(PACKAGE.glob("*.py")) if p.name not in allowed for f in _assignments_to_deepspeed(p)]
     assert found == [], "DeepSpeed patched outside seams.py / deepspeed_private.py: " + "; ".join(found)
+    activation = [f.split(": ", 1)[1] for f in _assignments_to_deepspeed(PACKAGE.parent / "deepspeed_z3ext_activate.py")]
+    assert activation == ["DeepSpeedConfig._do_sanity_check"], activation

@@ -1,0 +1,172 @@
+"""Activation without an import: `deepspeed_z3ext.pth` (installed with the package) runs
+`import deepspeed_z3ext_activate` at interpreter start ([Note: activation]).
+
+[Note: activation] DeepSpeed ignores unknown top-level config keys, so a `"z3ext": true` config in a
+program that never imports deepspeed_z3ext (HF Trainer, Accelerate, the `deepspeed` launcher) would
+run stock ZeRO-3 without a word. Installed, this module puts a finder first on `sys.meta_path` that
+waits for `deepspeed` to be loaded (and removes itself then); once DeepSpeed has loaded, it replaces
+one attribute, `DeepSpeedConfig._do_sanity_check` (every DeepSpeedConfig runs it: `zero.Init`'s and
+`deepspeed.initialize`'s), with a check that only reads the config dict. A config that does not enable
+z3ext goes straight to DeepSpeed's check. One that does, while z3ext is not attached, imports
+deepspeed_z3ext there (the ops are built or loaded and the seams of seams.py installed, which then
+validate the section as with an explicit import); with `DEEPSPEED_Z3EXT_AUTO=0`, or when the import
+fails (a build error), or after `deepspeed_z3ext.uninstall()`, it raises `Z3extActivationError`
+naming why instead: a config that enables z3ext never runs stock silently.
+Why a module outside the package: importing anything inside `deepspeed_z3ext` runs its `__init__`,
+which builds the ops and installs every seam; this file imports nothing but `os` and `sys` at
+interpreter start, so neither start nor `import deepspeed` pays for z3ext (README "Activation").
+It is the one place besides seams.py that changes a DeepSpeed attribute, and only this check
+(tests/test_seams.py checks both); `import deepspeed_z3ext` installs it too, so the check (and the
+refusal after `uninstall()`) is the same whether or not the package was installed with the .pth.
+"""
+import os
+import sys
+
+SWITCH = "DEEPSPEED_Z3EXT_AUTO"
+SECTION = "z3ext"
+_installed_check = None  # the check, once it replaced DeepSpeed's _do_sanity_check
+_stock_check = None      # DeepSpeed's _do_sanity_check, called by the check
+
+
+class Z3extError(Exception):
+    """Base of every error z3ext raises on purpose; the message names the key, parameter or file.
+    Defined here, not in deepspeed_z3ext/errors.py (which re-exports it), so that the activation error
+    below is one too without importing the package."""
+
+
+class Z3extActivationError(Z3extError, RuntimeError):
+    """A config enables z3ext but z3ext cannot attach; the message says why and what to do."""
+
+
+def auto_enabled() -> bool:
+    """Whether a z3ext config attaches z3ext without an import (the switch, default on)."""
+    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def enables_z3ext(param_dict) -> bool:
+    """Whether a config dict asks for z3ext: anything but an absent section, false or enabled false
+    (a malformed section counts, so that z3ext's own validation names what is wrong)."""
+    if not isinstance(param_dict, dict) or SECTION not in param_dict:
+        return False
+    raw = param_dict[SECTION]
+    if raw is False or raw is None:
+        return False
+    if isinstance(raw, dict):
+        return raw.get("enabled", False) is not False
+    return True
+
+
+def _attached() -> bool:
+    pkg = sys.modules.get("deepspeed_z3ext")
+    return pkg is not None and getattr(pkg, "installed", None) is not None and bool(pkg.installed())
+
+
+def _attach(why_needed: str):
+    """Imports deepspeed_z3ext (ops built or loaded, seams installed), or raises naming why not."""
+    if not auto_enabled():
+        raise Z3extActivationError(
+            f'{why_needed}, but {SWITCH}={os.environ.get(SWITCH)!r} turns activation without an import off and '
+            'deepspeed_z3ext was not imported: `import deepspeed_z3ext` before deepspeed.initialize (and zero.Init), '
+            f'unset {SWITCH}, or remove "{SECTION}" from the config')
+    if "deepspeed_z3ext" in sys.modules and getattr(sys.modules["deepspeed_z3ext"], "installed", None) is not None:
+        raise Z3extActivationError(
+            f"{why_needed}, but deepspeed_z3ext.uninstall() gave DeepSpeed back in this process: call "
+            f'deepspeed_z3ext.install() first, or remove "{SECTION}" from the config')
+    try:
+        import deepspeed_z3ext  # noqa: F401  (installs the seams, which wrap this check)
+    except Exception as e:
+        raise Z3extActivationError(f"{why_needed}, but deepspeed_z3ext could not be imported: "
+                                   f"{type(e).__name__}: {e}") from e
+
+
+def _check(self):
+    """DeepSpeedConfig._do_sanity_check while installed: DeepSpeed's own, after attaching z3ext when
+    this config enables it. Once attached, seams.py's check wraps this one, so it only falls through."""
+    if enables_z3ext(getattr(self, "_param_dict", None)) and not _attached():
+        _attach(f'the DeepSpeed config enables z3ext ("{SECTION}": {self._param_dict[SECTION]!r})')
+        return type(self)._do_sanity_check(self)  # seams.py's check now: DeepSpeed's, then the section's
+    return _stock_check(self)
+
+
+def install_check():
+    """Replaces DeepSpeedConfig._do_sanity_check by the check (idempotent; imports DeepSpeed's config)."""
+    global _installed_check, _stock_check
+    if _installed_check is not None:
+        return
+    from deepspeed.runtime.config import DeepSpeedConfig
+    _stock_check = DeepSpeedConfig._do_sanity_check
+    DeepSpeedConfig._do_sanity_check = _check
+    _installed_check = _check
+
+
+def check_installed() -> bool:
+    return _installed_check is not None
+
+
+class _AfterDeepSpeed:
+    """The loader of `deepspeed`, wrapped: once DeepSpeed's own `__init__` has run, the check goes in."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):  # everything else (get_resource_reader, is_package, ...) is the loader's
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _remove_finder()
+        install_check()
+
+
+class _Finder:
+    """First on sys.meta_path until `deepspeed` is loaded; answers only for it, with the spec the
+    finders after it give and the loader wrapped. It stays until the load, not the first lookup:
+    `importlib.util.find_spec("deepspeed")` (transformers' is_deepspeed_available) looks up without
+    loading."""
+    _looking = False
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "deepspeed" or cls._looking:
+            return None
+        cls._looking = True
+        try:
+            from importlib.util import find_spec
+            spec = find_spec(name)  # the finders after this one (this one answers None meanwhile)
+        finally:
+            cls._looking = False
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _AfterDeepSpeed(spec.loader)
+        return spec
+
+
+def _remove_finder():
+    try:
+        sys.meta_path.remove(_Finder)
+    except ValueError:
+        pass
+
+
+def finder_active() -> bool:
+    return _Finder in sys.meta_path
+
+
+def _start():
+    """At interpreter start (the .pth): the check goes in when deepspeed is imported (at once if it
+    already was). Installed whatever the switch says: with it off the check refuses z3ext configs."""
+    if "deepspeed" in sys.modules:
+        install_check()
+    elif _Finder not in sys.meta_path:
+        sys.meta_path.insert(0, _Finder)
+
+
+STARTED_BY_PTH = False  # set by the .pth line; `python -m deepspeed_z3ext` reports it
+
+
+def start_from_pth():
+    global STARTED_BY_PTH
+    STARTED_BY_PTH = True
+    _start()
