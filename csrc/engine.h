@@ -20,6 +20,25 @@ struct EngineStats {
   int64_t refilled = 0;         // gathers into a storage a previous gather made ([Note: true release])
 };
 
+// [Note: released storage mark] A released storage is marked so that a read of its data raises naming
+// the parameter (`release_data_and_set_meta_custom_data_ptr_error_msg_`), and the mark is cleared when
+// the storage is re-filled. torch releases without `clear_data_ptr_access_error_msg_` (the device image's
+// 2.11) cannot clear it, so there neither is set (chosen at compile time): a released storage is then only
+// 0 bytes, as FSDP2's, and reads of it are not named.
+template <typename S>
+inline auto clear_access_error(S* s, int) -> decltype(s->clear_data_ptr_access_error_msg_(), void()) {
+  s->clear_data_ptr_access_error_msg_();
+}
+template <typename S>
+inline void clear_access_error(S*, long) {}
+template <typename S>
+inline auto mark_access_error(S* s, int, std::string msg)
+    -> decltype(s->clear_data_ptr_access_error_msg_(), void()) {
+  s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(msg));
+}
+template <typename S>
+inline void mark_access_error(S*, long, std::string) {}
+
 class GatherEngine {
  public:
   static constexpr Claim kPersist{ClaimKind::Persist, kSharedOwner};
@@ -416,7 +435,7 @@ class GatherEngine {
       h.full = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
     } else {
       c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
-      s->clear_data_ptr_access_error_msg_();
+      clear_access_error(s, 0);
       s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
       s->set_nbytes(nbytes);
       stats_.refilled++;
@@ -436,7 +455,7 @@ class GatherEngine {
     c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
     s->set_data_ptr_noswap(at::DataPtr(nullptr, h.full.device()));  // frees the memory
     s->set_nbytes(0);
-    s->release_data_and_set_meta_custom_data_ptr_error_msg_(
+    mark_access_error(s, 0,
         "z3ext: " + h.describe() +
         " was released (ZeRO-3): this tensor is a view of its gathered storage, which holds no memory "
         "until the parameter is gathered again. Read it inside the module's forward, a "
