@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:${Z3EXT_SRC:+$Z3EXT_SRC:}$PWD  # Z3EXT_SRC: another tree's deepspeed_z3ext (a before/after run)
 fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
