@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks a session owes, in one device call (few, full calls: each call to a fresh machine
+# The GPU checks, in one device call (few, full calls: each call to a fresh machine
 # rebuilds the ops, ~1 min). From the repo root on the device, with DeepSpeed 0.19.8 and its
 # dependencies carried as wheels in .whl (the device tool's README):
 #   bash bench/device_run.sh tests   # CUDA build, DeepCompile's op, pytest -m gpu (needs 2 GPUs)
