@@ -225,6 +225,8 @@ class GatherEngine {
   void claim(const FetchUnit& unit, const Claim& c, bool defer, std::vector<ParamHandle*>& need) {
     for (const auto& h : unit.handles) {
       if (!h->claims.holds(c)) h->claims.add(c);
+      if (c.kind == ClaimKind::Forward || c.kind == ClaimKind::Backward || c.kind == ClaimKind::Fallback)
+        h->module_claimed = true;  // autograd may save views of it: true release ([Note: user views])
       if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
       if (!h->bucket) {
         need.push_back(h.get());
@@ -431,6 +433,10 @@ class GatherEngine {
   at::Tensor unshard_storage(ParamHandle& h, int64_t world, at::ScalarType dtype, const at::Device& device) {
     const int64_t numel = world * h.partition_numel;
     const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    if (!h.module_claimed && h.full.defined() && !h.parked.defined()) {
+      h.parked = h.full;  // a user's gather leaves the module storage released ([Note: user views])
+      h.full = at::Tensor();
+    }
     if (!h.full.defined() || h.full.scalar_type() != dtype || h.full.device() != device || h.full.numel() != numel) {
       h.full = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
     } else {
@@ -446,12 +452,27 @@ class GatherEngine {
     return h.full;
   }
 
+  // [Note: user views] Only a gather that a module's forward, backward or an eager fallback frame
+  // claimed is released for real: autograd saved its views, and the module's backward claim re-fills
+  // them. A gather that only user code claimed (a GatheredParameters block, `param.all_gather()`,
+  // persistence) has no re-fill path, and users keep what they read there (`param.detach().cpu()` is
+  // the same tensor on CPU; DeepSpeed's zero_to_fp32 tests do exactly that): its storage is released
+  // as stock releases, by dropping z3ext's reference (memory returns once nothing else holds it). Such a
+  // gather is made into a new storage, the module storage (released, its autograd views waiting for
+  // their re-fill) parked meanwhile and put back at the release.
   void reshard_storage(ParamHandle& h) {
     if (!h.full_live) return;  // [Note: world of one]: a view of the partition, which stays
     h.full_live = false;
     const int64_t nbytes = static_cast<int64_t>(h.full.storage().nbytes());
     stats_.live_bytes -= nbytes;
     stats_.live_numel -= h.full.numel();
+    const bool module_claimed = h.module_claimed;
+    h.module_claimed = false;
+    if (h.parked.defined() || !module_claimed) {  // dropped as stock drops: its readers keep its bytes
+      h.full = h.parked;  // the module storage (released, 0 bytes) or none
+      h.parked = at::Tensor();
+      return;
+    }
     c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
     s->set_data_ptr_noswap(at::DataPtr(nullptr, h.full.device()));  // frees the memory
     s->set_nbytes(0);

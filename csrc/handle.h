@@ -48,6 +48,8 @@ struct ParamHandle {
   // and for a parameter that views its own partition ([Note: world of one]).
   at::Tensor full;
   bool full_live = false;  // `full` holds its bytes (gathered into it)
+  at::Tensor parked;  // the module storage while a user-only gather uses another ([Note: user views])
+  bool module_claimed = false;  // a module (or fallback) claim since this gather ([Note: user views])
 
   ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
 

@@ -78,9 +78,10 @@ def test_config_validation_and_dispatch():
 
 # ------------------------------------------------------------------------------------------ release
 def released_view():
-    """Keep a view of a gathered weight past its release, then make z3ext gather and release
-    same-sized weights many times: the view holds no memory and reading it raises, naming the
-    parameter, never another weight's values ([Note: true release])."""
+    """Keep a view of a weight gathered for a module's forward past its release, then make z3ext gather
+    and release same-sized weights many times: the view holds no memory and reading it raises, naming
+    the parameter, never another weight's values ([Note: true release]); a view kept from a
+    GatheredParameters block keeps its values, as with stock ([Note: user views])."""
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -89,9 +90,19 @@ def released_view():
 
     engine = build_engine(ds_config(z3ext=True, persistence=0, ga=1))
     w = engine.module.blocks[0].fc1.weight
-    with deepspeed.zero.GatheredParameters([w]):
-        kept = w.detach()  # shares w's gathered storage
+    views = {}
+
+    def keep(module, inputs, output):  # returns None: the output stays
+        views.setdefault("fwd", module.weight.detach())
+    hook = engine.module.blocks[0].fc1.register_forward_hook(keep)
+    with torch.no_grad():
+        engine(batch(99, dist.get_rank()))  # a module's gather: released for real ([Note: user views])
+    hook.remove()
+    kept = views["fwd"]  # shares w's gathered storage
     assert w.ds_status.name == "NOT_AVAILABLE" and kept.untyped_storage().nbytes() == 0
+    with deepspeed.zero.GatheredParameters([w]):  # a user's gather: released as stock releases
+        user = w.detach()
+        expected = user.clone()
     other = engine.module.blocks[1].fc1.weight  # same shape
     for step in range(3):
         with torch.no_grad():
@@ -103,13 +114,17 @@ def released_view():
         error = None
     except RuntimeError as e:
         error = str(e)
-    return dict(error=error, live=deepspeed_z3ext.stats(engine).live_bytes)
+    return dict(error=error, live=deepspeed_z3ext.stats(engine).live_bytes,
+                user_kept=bool(torch.equal(user, expected)) and user.untyped_storage().nbytes() > 0)
 
 
 def test_a_view_kept_past_release_raises_instead_of_reading_reused_memory():
     for r in run_on_ranks(released_view):
         assert r["error"] is not None and "blocks.0.fc1.weight" in r["error"], r
         assert r["live"] == 0
+        # What a GatheredParameters block read stays valid (DeepSpeed's zero_to_fp32 test keeps
+        # `param.detach().cpu()`, the same tensor on CPU): [Note: user views].
+        assert r["user_kept"], r
 
 
 # ------------------------------------------------------------------------------------------ groups

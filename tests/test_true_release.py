@@ -262,11 +262,22 @@ def stale_reads():
     import torch
     import deepspeed
     from tests.models import build_engine, ds_config
+    import torch.distributed as dist
+    from tests.models import batch
     eng = build_engine(ds_config(z3ext=True, persistence=0, ga=1))
     w = eng.module.blocks[1].fc1.weight
-    with deepspeed.zero.GatheredParameters([w]):
-        kept = w.detach()
-        expected = kept.clone()
+    fc1 = eng.module.blocks[1].fc1
+    views = {}
+
+    def keep(m, i, o):
+        if "kept" not in views:
+            views["kept"], views["expected"] = m.weight.detach(), m.weight.detach().clone()
+        else:  # the next forward re-filled the same storage in place: the kept view is valid again
+            views["valid_again"] = bool(torch.equal(views["kept"], views["expected"]))
+    hook = fc1.register_forward_hook(keep)
+    with torch.no_grad():  # a module's gather: released for real ([Note: user views])
+        eng(batch(0, dist.get_rank()))
+    kept = views["kept"]
     out = {"status": w.ds_status.name, "nbytes": kept.untyped_storage().nbytes()}
     for name, read in {"sum": lambda: kept.sum(), "add": lambda: kept + 1, "clone": lambda: kept.clone(),
                        "repr": lambda: repr(kept), "view": lambda: kept.t().contiguous()}.items():
@@ -275,8 +286,10 @@ def stale_reads():
             out[name] = None
         except RuntimeError as e:
             out[name] = str(e)
-    with deepspeed.zero.GatheredParameters([w]):  # re-filled in place: the kept view is valid again
-        out["valid_again"] = bool(torch.equal(kept, expected))
+    with torch.no_grad():
+        eng(batch(1, dist.get_rank()))
+    hook.remove()
+    out["valid_again"] = views.get("valid_again", False)
     return out
 
 
