@@ -197,7 +197,9 @@ class GatherEngine {
   std::vector<std::string> stale_references() const {
     std::vector<std::string> names;
     for (const auto& h : handles_)
-      if (!h->bucket && h->full.defined() && h->full.storage().use_count() > 1) names.push_back(h->name);
+      if ((!h->bucket && h->full.defined() && h->full.storage().use_count() > 1) ||
+          (h->user_storage.has_value() && !h->user_storage->expired()))
+        names.push_back(h->name);
     return names;
   }
 
@@ -469,6 +471,7 @@ class GatherEngine {
     const bool module_claimed = h.module_claimed;
     h.module_claimed = false;
     if (h.parked.defined() || !module_claimed) {  // dropped as stock drops: its readers keep its bytes
+      h.user_storage = h.full.storage().getWeakStorageImpl();  // leak_check names it while a reader holds it
       h.full = h.parked;  // the module storage (released, 0 bytes) or none
       h.parked = at::Tensor();
       return;

@@ -1,6 +1,7 @@
 // ParamHandle: one ZeRO-3 parameter as z3ext sees it: its claims and, while gathered, the bucket
 // whose buffer its `.data` views.
 #pragma once
+#include <optional>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <memory>
@@ -49,6 +50,7 @@ struct ParamHandle {
   at::Tensor full;
   bool full_live = false;  // `full` holds its bytes (gathered into it)
   at::Tensor parked;  // the module storage while a user-only gather uses another ([Note: user views])
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> user_storage;  // the last user-only gather's
   bool module_claimed = false;  // a module (or fallback) claim since this gather ([Note: user views])
 
   ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
