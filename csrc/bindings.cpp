@@ -1,5 +1,6 @@
 // The one binding file: exposes the z3ext concepts (claims, handles, units, the gather engine).
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/functional.h>
 #include "aio.h"
 #include "boundary.h"
 #include "engine.h"
@@ -19,13 +20,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("input_boundary", &input_boundary, py::arg("tensor"));
   m.def(
       "reduce_scatter_grads",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const std::vector<at::Tensor>& grads,
-         const std::vector<at::Tensor>& dests, int64_t rank, int64_t world, at::ScalarType comm_dtype,
-         double averaging_scale, bool accumulate) {
-        auto r = reduce_scatter_grads(*group, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate);
+      [](const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests,
+         int64_t rank, int64_t world, at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
+        auto r = reduce_scatter_grads(collective, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate);
         return std::make_tuple(r.reduced, r.buffer_numel);
       },
-      py::arg("group"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
+      py::arg("collective"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
       py::arg("comm_dtype"), py::arg("averaging_scale"), py::arg("accumulate"));  // [Note: gradient arithmetic] in reduce.h
 
   py::enum_<ClaimKind>(m, "ClaimKind")

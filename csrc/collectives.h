@@ -34,15 +34,4 @@ inline void all_gather_coalesced_into(c10d::ProcessGroup& group, std::vector<at:
   work->wait();
 }
 
-// Sum-reduce-scatter of `input` (world * output.numel()) into `output`; `output` may be this rank's
-// slice of `input`. Waits as all_gather_into does, without the GIL ([Note: no GIL while blocked]).
-inline void reduce_scatter_into(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
-  pybind11::gil_scoped_release no_gil;
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  auto work = group._reduce_scatter_base(output, input);
-#pragma GCC diagnostic pop
-  work->wait();
-}
-
 }  // namespace z3ext

@@ -19,9 +19,9 @@
 // elements meet in the sum (the same ones on every rank: the caller sorts by ds_id).
 #pragma once
 #include <torch/extension.h>
+#include <functional>
 #include <vector>
 
-#include "collectives.h"
 #include "device.h"
 
 namespace z3ext {
@@ -42,10 +42,16 @@ inline void write_partitions(std::vector<at::Tensor>& dests, std::vector<at::Ten
   }
 }
 
+// Step 3's collective: sum-reduce-scatter `input` (world * output.numel()) into `output`, this rank's
+// slice of `input`, returning once the current stream may read it. The caller passes DeepSpeed's
+// `deepspeed.comm.reduce_scatter_fn`, the call stock makes, so DeepSpeed's comms logger and anything
+// that counts DeepSpeed's collectives see it ([Note: comms logger] in comms.py).
+using ReduceScatterFn = std::function<void(at::Tensor, at::Tensor)>;
+
 // `grads[i]` is a full gradient (numel of the parameter), `dests[i]` this rank's gradient partition
 // (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". Runs on the
 // current stream; on CUDA the gradients are marked as used by it (they were made on the compute stream).
-inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const std::vector<at::Tensor>& grads,
+inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
                                                 at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
   at::NoGradGuard no_grad;
@@ -106,7 +112,7 @@ inline ReduceScatterResult reduce_scatter_grads(c10d::ProcessGroup& group, const
   buf.div_(world);
   // 3.
   at::Tensor mine = buf.narrow(0, rank * per_rank, per_rank);
-  if (world > 1) reduce_scatter_into(group, mine, buf);
+  if (world > 1) collective(mine, buf);
   // 4.
   if (averaging_scale != 0.0) mine.mul_(averaging_scale);
   // 5.

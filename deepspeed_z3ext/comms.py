@@ -1,26 +1,24 @@
-"""DeepSpeed's comms logger sees z3ext's collectives ([Note: comms logger]).
-
-[Note: comms logger] z3ext's all-gathers and reduce-scatters are issued by its C++ ops on the c10d
-group, so DeepSpeed's `deepspeed.comm` wrappers (`timed_op`) never see them. With `comms_logger.enabled`
-in the config, z3ext records each of its collectives in `deepspeed.comm.comms_logger` as stock's are
-recorded: under stock's op names (`all_gather_into_tensor`, `reduce_scatter_tensor`, so
-`deepspeed.comm.log_summary()` puts them in the same rows), with stock's message size (the all-gather's
-input: this rank's partitions; the reduce-scatter's input: the whole laid-out bucket), honouring
-`prof_all` / `prof_ops` / `verbose`, and timed as `timed_op` times: the accelerator is synchronised
-after the call, so the latency is real and logging slows training, as stock's does. What the latency
-covers differs: z3ext's call is a whole op, so a gather's includes its claim bookkeeping and a
-reduce-scatter's the bucket's layout and the write into the partitions. One `unshard_batch` that
-issued several collectives (one per process group and dtype) is recorded as that many records of
-equal shares of its bytes and time: the op reports how many it issued, not each one's size.
-Off (the default), nothing is wrapped: the gather engine is DeepSpeed-unaware C++ and the flush reads
-one flag per bucket.
+"""DeepSpeed's comms logger sees z3ext's collectives ([Note: comms logger] DeepSpeed's comms logger records what goes through
+`deepspeed.comm`'s wrappers (`timed_op`). z3ext's gradient reduce-scatter is issued through
+`deepspeed.comm.reduce_scatter_fn`, looked up at each flush, as stock's `reduce_scatter_coalesced`
+issues it: the C++ flush calls back into it for the collective alone (csrc/reduce.h), so the logger,
+and anything else that counts DeepSpeed's collectives, sees stock's record (op, bytes, latency) at a
+cost of one Python call per bucket. The all-gathers are issued by the C++ gather engine on the c10d
+group; with `comms_logger.enabled` in the config, z3ext records each of them as stock's are recorded:
+under stock's op name (`all_gather_into_tensor`, so `deepspeed.comm.log_summary()` puts them in the
+same row), with stock's message size (the input: this rank's partitions), honouring `prof_all` /
+`prof_ops` / `verbose`, and timed as `timed_op` times: the accelerator is synchronised after the call,
+so the latency is real and logging slows training, as stock's does. The latency covers the whole
+op, so a gather's includes its claim bookkeeping. One `unshard_batch` that issued several
+collectives (one per process group and dtype) is recorded as that many records of equal shares of
+its bytes and time: the op reports how many it issued, not each one's size. Off (the default),
+nothing is wrapped: the gather engine is DeepSpeed-unaware C++.
 """
 import time
 
 from deepspeed import comm as ds_comm
 
 ALL_GATHER = "all_gather_into_tensor"
-REDUCE_SCATTER = "reduce_scatter_tensor"
 
 
 def enabled() -> bool:
@@ -42,20 +40,10 @@ def _record(name, seconds, msg_size, count=1):
         ds_comm.comms_logger.append(name, name, seconds * 1000.0 / count, msg_size // count)
 
 
-def logged_reduce_scatter(op, grads, comm_dtype, world, *args):
-    """`ops().reduce_scatter_grads(group, grads, ...)` recorded as one `reduce_scatter_tensor` (none at
-    world 1, where the op issues no collective)."""
-    if not _profiled(REDUCE_SCATTER):
-        return op(*args)
-    t0 = time.perf_counter()
-    out = op(*args)
-    _sync()
-    seconds = time.perf_counter() - t0
-    buffer_numel = out[1]
-    if world > 1 and buffer_numel:
-        import torch
-        _record(REDUCE_SCATTER, seconds, buffer_numel * torch.empty((), dtype=comm_dtype).element_size())
-    return out
+def reduce_scatter_fn(group):
+    """The flush's collective: `deepspeed.comm.reduce_scatter_fn(output, input, group=group)`, looked up
+    when called, as stock calls it ([Note: comms logger])."""
+    return lambda output, input: ds_comm.reduce_scatter_fn(output, input, group=group)
 
 
 class LoggedGatherEngine:
