@@ -47,6 +47,11 @@ class Z3extConfig(BaseModel):
     `reduce_bucket_size` elements, from the gradients autograd made (grads.py); false: DeepSpeed's
     bucket copies. Either way the partitions hold the same bits."""
 
+    exact_grad_norm: StrictBool = False
+    """The step's gradient norm by stock's per-parameter loop; false (default): one multi-tensor norm
+    per sub-group and one all-reduce, stock's bits on CPU, within rounding of them on CUDA ([Note:
+    gradient norm] in norm.py)."""
+
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""

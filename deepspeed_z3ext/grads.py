@@ -45,7 +45,6 @@ false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, 
 `z3ext.reduce_gradients: false`.
 """
 import collections
-import functools
 import operator
 import time
 import weakref
@@ -71,6 +70,7 @@ class GradReduceStats(NamedTuple):
     step_views: int       # optimizer sub-group steps given the gradient buffer (a view, or converted), not its flattened copy
     unscales_skipped: int  # sub-group unscales that would have multiplied by exactly 1, not run
     bucket_elements: int  # elements noted and not yet reduced
+    fast_norms: int       # steps whose gradient norm was one multi-tensor pass per sub-group ([Note: gradient norm])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -119,6 +119,7 @@ class GradReducer:
         self._host_s = 0.0
         self._n_views = 0
         self._n_unscales_skipped = 0
+        self._n_norms = 0
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
@@ -128,7 +129,11 @@ class GradReducer:
 
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
-                               self._n_views, self._n_unscales_skipped, self.bucket.elements)
+                               self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms)
+
+    def count_norm(self):
+        """norm.py computed this step's gradient norm."""
+        self._n_norms += 1
 
     def note(self, param):
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
@@ -177,8 +182,7 @@ class GradReducer:
         dests = [partitions[p.ds_id] for p in params]
         accumulate = optimizer.micro_step_id != 0
         reduce_scatter = ops().reduce_scatter_grads
-        if comms.enabled():  # DeepSpeed's comms logger records it ([Note: comms logger])
-            reduce_scatter = functools.partial(comms.logged_reduce_scatter, reduce_scatter, grads, self.comm_dtype, world)
+        collective = comms.reduce_scatter_fn(group)
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
             while self._events and self._events[0].query():
@@ -187,12 +191,12 @@ class GradReducer:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
             with get_accelerator().stream(stream):
-                reduced, _ = reduce_scatter(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+                reduced, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
                 event = get_accelerator().Event()
                 event.record()
                 self._events.append(event)
         else:
-            reduced, _ = reduce_scatter(group, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+            reduced, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
         for p in params:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
             p.grad = None
         self._n_flushes += 1

@@ -73,7 +73,7 @@ def _table():
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from deepspeed_z3ext import config, external, fallback, gathered, grads, offload, swap
+    from deepspeed_z3ext import config, external, fallback, gathered, grads, norm, offload, swap
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -101,6 +101,8 @@ def _table():
              "the optimizer steps on a view of the gradient buffer, not a flattened copy ([Note: step gradient view])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "unscale_and_clip_grads", grads.unscale,
              "an unscale by exactly 1 (no loss scale, no clipping triggered) is skipped"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", norm.get_norm_groups,
+             "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
     ]
 
 

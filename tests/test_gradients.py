@@ -16,6 +16,7 @@ CASES = {
     "small-bucket": ({}, {"reduce_bucket_size": 300}, {}, 2),
     "clip": ({"gradient_clipping": 1e-3}, {}, {}, 2),  # triggered at every step: DeepSpeed's copy
     "clip-untriggered": ({"gradient_clipping": 1e6}, {}, {}, 2),  # never triggered: the step's view
+    "clip-exact-norm": ({"gradient_clipping": 1e-3}, {}, {"exact_grad_norm": True}, 2),  # stock's norm loop
     "bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {}, {}, 2),
     "stock-path": ({}, {}, {"reduce_gradients": False}, 2),
     "reduce-scatter-off": ({}, {"reduce_scatter": False}, {}, 2),  # stock's all-reduce path: kept
@@ -72,7 +73,7 @@ def train_both(case, steps=4):
             model = _model()()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         dtype = next(engine.module.parameters()).dtype
-        losses, partitions = [], []
+        losses, partitions, norms = [], [], []
         for i in range(steps * ga):
             loss = -engine(_tokens(i, rank)).float().mean()  # engine.forward every micro-step: accumulation runs
             engine.backward(loss)
@@ -80,9 +81,12 @@ def train_both(case, steps=4):
             partitions.append([parts[k].detach().clone() for k in sorted(parts)])  # ds_id order: the model's
             engine.step()
             losses.append(loss.item())
+            if (i + 1) % ga == 0:
+                norm = engine.get_global_grad_norm()
+                norms.append(float(norm) if norm is not None else None)
         state = of_optimizer(engine.optimizer)
         reducer = state.grad_reducer if state is not None else None
-        runs[name] = dict(losses=losses, partitions=partitions, params=full_params(engine),
+        runs[name] = dict(losses=losses, partitions=partitions, norms=norms, params=full_params(engine),
                           stats=reducer.stats()._asdict() if reducer else None,
                           bucket_numel=[b.buffer.numel() for b in engine.optimizer.ipg_buckets.values()
                                         if b.buffer is not None],
@@ -94,17 +98,26 @@ def train_both(case, steps=4):
     partition_diffs = [(i, k) for i, (a, b) in enumerate(zip(stock["partitions"], z3["partitions"]))
                        for k in range(max(len(a), len(b))) if len(a) != len(b) or not same(a[k], b[k])]
     mismatched = [n for n in stock["params"] if not torch.equal(stock["params"][n], z3["params"][n])]
-    return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], partition_diffs=partition_diffs,
+    return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], stock_norms=stock["norms"], z3_norms=z3["norms"], partition_diffs=partition_diffs,
                 n_partitions=sum(len(p) for p in z3["partitions"]), mismatched=mismatched, stats=z3["stats"],
                 stock_bucket=stock["bucket_numel"], z3_bucket=z3["bucket_numel"], skipped=(stock["skipped"], z3["skipped"]),
                 dtype=z3["dtype"], converted=z3["converted"])
 
 
-def check(results, case):
+def norms_agree(stock, z3, rtol):
+    """Bitwise (rtol 0), or within `rtol` relative: CUDA's fused `_foreach_norm` may add in another order."""
+    if rtol == 0 or len(stock) != len(z3):
+        return stock == z3
+    return all(a == b or (a is not None and b is not None and abs(a - b) <= rtol * abs(a)) for a, b in zip(stock, z3))
+
+
+def check(results, case, norm_rtol=0.0):
     extra, zero_extra, options, ga = CASES[case]
     for rank, r in enumerate(results):
         assert r["stock_losses"] == r["z3_losses"], f"rank {rank}: losses differ:\n{r['stock_losses']}\n{r['z3_losses']}"
         assert r["n_partitions"] > 0
+        # [Note: gradient norm]: on CPU the multi-tensor norm is stock's bit for bit.
+        assert norms_agree(r["stock_norms"], r["z3_norms"], norm_rtol), f"rank {rank}: gradient norms differ:\n{r['stock_norms']}\n{r['z3_norms']}"
         assert not r["partition_diffs"], f"rank {rank}: gradient partitions differ at (backward, parameter index) {r['partition_diffs'][:8]}"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
         assert r["skipped"][0] == r["skipped"][1]
@@ -127,15 +140,17 @@ def check(results, case):
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
-        if case in ("clip", "fp16-loss-scale") and not r["converted"]:
+        if case in ("clip", "clip-exact-norm", "fp16-loss-scale") and not r["converted"]:
             assert st["step_views"] == 0, st
         else:
             assert st["step_views"] == steps_taken, st
         # The unscale is skipped exactly when it would multiply by 1: no loss scale, clipping off or untriggered.
-        if case in ("clip", "fp16-loss-scale"):
+        if case in ("clip", "clip-exact-norm", "fp16-loss-scale"):
             assert st["unscales_skipped"] == 0, st
         else:
             assert st["unscales_skipped"] == steps_taken, st
+        # The step's norm was z3ext's multi-tensor pass, unless the case asks for stock's loop.
+        assert st["fast_norms"] == (0 if options.get("exact_grad_norm") else steps_taken), st
         # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
         assert r["stock_bucket"] and all(n > 0 for n in r["stock_bucket"]) and all(n == 0 for n in r["z3_bucket"])
     if "fp16" in case:
@@ -166,4 +181,8 @@ def _on_gpu(world):
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
     the same arithmetic; two: a two-operand sum, the same in any order)."""
-    check(run_on_ranks(train_both, world_size=world, backend="nccl", case=case, timeout=400), case)
+    results = run_on_ranks(train_both, world_size=world, backend="nccl", case=case, timeout=400)
+    worst = max((abs(a - b) / abs(a) for r in results for a, b in zip(r["stock_norms"], r["z3_norms"])
+                 if a is not None and b is not None and a not in (0.0, b)), default=0.0)
+    print(f"[{case}, {world} GPU] largest relative difference of the gradient norm from stock's: {worst:.3e}")
+    check(results, case, norm_rtol=1e-9)
