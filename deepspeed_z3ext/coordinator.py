@@ -13,7 +13,7 @@ from deepspeed_z3ext import claims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
-from deepspeed_z3ext.window import PrefetchWindow
+from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
 
 class Z3extCoordinator:
@@ -34,6 +34,7 @@ class Z3extCoordinator:
         self._hold_enabled = hold_for_backward
         self._max_live = max_live_numel
         self.window = PrefetchWindow(prefetch_bucket_numel)  # [Note: prefetch window]
+        self.backward_window = BackwardWindow(prefetch_bucket_numel)  # [Note: backward prefetch]
         # Units ahead trust the cache: the module's own fetch checks it and gathers what a stale prefetch missed.
         self._unit_ahead = functools.partial(state.unit_for, checked=False)
         self._running = []     # modules of this engine inside their forward (innermost last)
@@ -76,6 +77,7 @@ class Z3extCoordinator:
         if not in_backward():
             _clean_module_stack()
             self._running.clear()
+            self.backward_window.reset()
         self.window.reset()
         self._warn_divergence()
         self.plan = self.plans[torch.is_grad_enabled()]
@@ -154,6 +156,7 @@ class Z3extCoordinator:
                 return
         engine.reshard(unit, self._fwd, owner, also_direct=True)
         claim_per_call(self, module, graphs.new_token(), args, outputs, gathered=False)
+        self.backward_window.released(module)
 
     def _recomputed(self, module, unit, args, outputs):
         """A forward inside a backward pass (activation-checkpoint recomputation): the module stays
@@ -172,9 +175,24 @@ class Z3extCoordinator:
         engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def fetch_for_backward(self, module, token):
-        """A module that was not held: its backward is about to run (tensor hook on its outputs)."""
-        self.state.engine.unshard(self.state.unit_for(module), self._bwd, token)
+        """A module that was not held: its backward is about to run (tensor hook on its outputs). The
+        modules before it are gathered ahead ([Note: backward prefetch])."""
+        engine, window, unit = self.state.engine, self.backward_window, self.state.unit_for(module)
+        engine.unshard(unit, self._bwd, token)
         self.backward_claims.on_pass_end(token)
+        ahead = window.reach(module)
+        if ahead is not None:  # its own claim holds it now
+            engine.reshard(ahead.unit, self._bwd, ahead.token, also_direct=False)
+        if not window.enabled:
+            return
+        batch = window.next_batch(self._unit_ahead, self._max_live - engine.live_numel)
+        if batch is None:
+            return
+        modules, units = batch
+        ahead_token = self.backward_claims.new_token()
+        self.backward_claims.on_pass_end(ahead_token)
+        window.commit(modules, units, ahead_token)
+        engine.unshard_batch(units, self._bwd, [ahead_token] * len(units), True)
 
     def release_for_backward(self, module, token):
         """Its inputs' gradients are complete: its backward has run."""

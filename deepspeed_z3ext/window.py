@@ -80,3 +80,93 @@ class PrefetchWindow:
         self._ahead.extend(batch.positions)
         self.ahead_numel += batch.numel
         self.frontier = batch.end
+
+
+class Ahead(NamedTuple):
+    unit: object   # the FetchUnit gathered ahead
+    token: int     # owner of its Backward claim until its module's own backward claim takes over
+    position: int  # its module's position in the forward's release order
+    numel: int
+
+
+class BackwardWindow:
+    """[Note: backward prefetch] A module released after its forward (not held: the hold is off, or
+    past its budget) is gathered again when its backward is about to run (graphs.py `claim_per_call`).
+    Gathered only then, its all-gather would sit between two backward kernels. So the forward records,
+    in order, the modules whose release was real; backward runs them roughly in reverse, and when one
+    is fetched for its backward the units of the modules before it in that order are gathered ahead,
+    in one deferred collective ([Note: deferred wait]), within stage3_prefetch_bucket_size elements
+    ahead and stage3_max_live_parameters live, refilled once half of the window was reached, as the
+    forward's window ([Note: prefetch window]). Each such unit is claimed by a token of this backward
+    pass; its module's own fetch takes its per-call claim and drops the token's, and the pass's end
+    drops whatever a module never fetched (a branch that got no gradient), so nothing outlives the
+    pass. A unit larger than the window is gathered by its module, as in the forward. This is stock's
+    trace prefetch in backward, with units instead of parameters."""
+
+    def __init__(self, bucket_numel: int):
+        self.bucket_numel = bucket_numel
+        self.order = []      # modules released after their forward, in this forward's order
+        self._position = {}  # id(module) -> its last position in `order`
+        self._ahead = {}     # id(module) -> Ahead
+        self.ahead_numel = 0
+        self.frontier: Optional[int] = None  # the next position down to gather ahead (None: no backward yet)
+        self.gathered_ahead = 0  # units gathered ahead since the engine was created
+
+    @property
+    def enabled(self) -> bool:
+        return self.bucket_numel > 0
+
+    def reset(self):
+        """A new outermost forward outside backward: a new order."""
+        self.order.clear()
+        self._position.clear()
+        self._ahead.clear()
+        self.ahead_numel = 0
+        self.frontier = None
+
+    def released(self, module):
+        """`module`'s forward call was released: its backward will fetch it."""
+        self._position[id(module)] = len(self.order)
+        self.order.append(module)
+
+    def reach(self, module) -> Optional[Ahead]:
+        """`module` is fetched for its backward: what was gathered ahead for it (its claim to drop), or
+        None. Units ahead of positions above it were passed: they no longer count against the window."""
+        pos = self._position.get(id(module))
+        if pos is None:
+            return None
+        mine = self._ahead.pop(id(module), None)
+        if mine is not None:
+            self.ahead_numel -= mine.numel
+        for key in [k for k, a in self._ahead.items() if a.position > pos]:
+            self.ahead_numel -= self._ahead.pop(key).numel
+        if self.frontier is None or self.frontier >= pos:
+            self.frontier = pos - 1
+        return mine
+
+    def next_batch(self, unit_for: Callable, live_room: int) -> Optional[Tuple[list, list]]:
+        """(modules, units) to gather ahead now, from the frontier down, or None."""
+        if self.frontier is None or self.frontier < 0 or self.ahead_numel * 2 > self.bucket_numel:
+            return None
+        room = min(self.bucket_numel - self.ahead_numel, live_room)
+        modules, units, numel, i = [], [], 0, self.frontier
+        while i >= 0:
+            module = self.order[i]
+            unit = unit_for(module)
+            if unit.partitioned and id(module) not in self._ahead:  # else gathered already, or ahead
+                n = unit.numel
+                if numel + n > room:
+                    break
+                modules.append(module)
+                units.append(unit)
+                numel += n
+            i -= 1
+        self.frontier = i
+        return (modules, units) if units else None
+
+    def commit(self, modules, units, token):
+        for module, unit in zip(modules, units):
+            n = unit.numel
+            self._ahead[id(module)] = Ahead(unit, token, self._position[id(module)], n)
+            self.ahead_numel += n
+        self.gathered_ahead += len(units)
