@@ -15,6 +15,14 @@ writes ([Note: gradient arithmetic]); then the full gradients are released. Deep
 autograd made are the bucket. On CUDA the work runs on DeepSpeed's reduce stream, waited for by
 stock's epilogue; at most two flushes are in flight, as in stock.
 
+[Note: flush slices] A flush lays its bucket out, reduce-scatters and writes it in slices of at most
+a quarter of `reduce_bucket_size` elements (consecutive parameters in ds_id order, a larger one alone),
+and frees each slice's gradients once written: the layout buffer, which a flush adds on top of the
+bucket's gradients at the moment backward holds the most activations, is a quarter of the bucket
+(GPT 6.7B, simulated world 8: the peak sat in the first flush, 923 MiB of layout over 1 GiB of
+gradients). Each element meets the same operands in the same ops as in one collective over the
+bucket, so the partitions are the same bits; it costs three more collectives per full bucket.
+
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
 0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
@@ -45,6 +53,7 @@ false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, 
 `z3ext.reduce_gradients: false`.
 """
 import collections
+import contextlib
 import operator
 import time
 import weakref
@@ -60,6 +69,7 @@ from deepspeed_z3ext.errors import GradientError
 from deepspeed_z3ext.state import group_of, of_optimizer, of_param
 
 _MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
+_SLICES = 4  # a flush reduce-scatters its bucket in this many slices at least ([Note: flush slices])
 
 
 class GradReduceStats(NamedTuple):
@@ -71,6 +81,7 @@ class GradReduceStats(NamedTuple):
     unscales_skipped: int  # sub-group unscales that would have multiplied by exactly 1, not run
     bucket_elements: int  # elements noted and not yet reduced
     fast_norms: int       # steps whose gradient norm was one multi-tensor pass per sub-group ([Note: gradient norm])
+    reduce_scatters: int  # collectives issued: a flush issues one per slice ([Note: flush slices])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -110,6 +121,7 @@ class GradReducer:
         self._optimizer = weakref.ref(optimizer)
         self.bucket = GradBucket()
         self.bucket_size = optimizer.reduce_bucket_size
+        self.slice_numel = max(1, self.bucket_size // _SLICES)  # [Note: flush slices]
         self.comm_dtype = optimizer.communication_data_type
         self._events = collections.deque()
         self._on_device = not get_accelerator().is_synchronized_device()
@@ -120,6 +132,7 @@ class GradReducer:
         self._n_views = 0
         self._n_unscales_skipped = 0
         self._n_norms = 0
+        self._n_reduce_scatters = 0
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.
@@ -129,7 +142,8 @@ class GradReducer:
 
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
-                               self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms)
+                               self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
+                               self._n_reduce_scatters)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -178,11 +192,10 @@ class GradReducer:
         rank = torch.distributed.get_rank(group)
         averaging = optimizer._gradient_averaging_world_size(params, world)
         scale = world / float(averaging) if averaging != world else 0.0
-        grads = [p.grad for p in params]
-        dests = [partitions[p.ds_id] for p in params]
         accumulate = optimizer.micro_step_id != 0
         reduce_scatter = ops().reduce_scatter_grads
         collective = comms.reduce_scatter_fn(group)
+        reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
             while self._events and self._events[0].query():
@@ -190,15 +203,20 @@ class GradReducer:
             if len(self._events) >= _MAX_IN_FLIGHT:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
-            with get_accelerator().stream(stream):
-                reduced, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+        with get_accelerator().stream(stream) if self._on_device else contextlib.nullcontext():
+            for part in _slices(params, self.slice_numel):  # [Note: flush slices]
+                grads = [p.grad for p in part]
+                dests = [partitions[p.ds_id] for p in part]
+                n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+                del grads
+                for p in part:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
+                    p.grad = None
+                reduced += n
+                self._n_reduce_scatters += world > 1
+            if self._on_device:
                 event = get_accelerator().Event()
                 event.record()
                 self._events.append(event)
-        else:
-            reduced, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
-        for p in params:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
-            p.grad = None
         self._n_flushes += 1
         self._n_reduced += reduced
         self._n_accumulating += accumulate
@@ -243,6 +261,20 @@ class GradReducer:
         for p in self.bucket.params:
             p.grad = None
         self.bucket.clear()
+
+
+def _slices(params, limit):
+    """`params` (ds_id order) cut into consecutive runs of at most `limit` elements (a larger parameter
+    alone)."""
+    part, numel = [], 0
+    for p in params:
+        if part and numel + p.ds_numel > limit:
+            yield part
+            part, numel = [], 0
+        part.append(p)
+        numel += p.ds_numel
+    if part:
+        yield part
 
 
 def _unscale_is_identity(optimizer) -> bool:

@@ -69,7 +69,8 @@ def test_hf_trainer_without_import_torchrun_accelerate_and_comms_logger(tmp_path
         comms = r["comms"]
         gathers = sum(comms.get("all_gather_into_tensor", {}).values())
         scatters = sum(comms.get("reduce_scatter_tensor", {}).values())
-        assert scatters == r["grad_flushes"], f"rank {rank}: {scatters} reduce-scatters logged, {r['grad_flushes']} flushes"
+        assert scatters == r["grad_reduce_scatters"] > 0, \
+            f"rank {rank}: {scatters} reduce-scatters logged, {r['grad_reduce_scatters']} issued"
         assert gathers == r["gather_collectives"] > 0, f"rank {rank}: {gathers} all-gathers logged: {comms}"
         assert all(int(size) > 0 for size in comms["reduce_scatter_tensor"]), comms
 

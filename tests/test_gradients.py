@@ -135,6 +135,8 @@ def check(results, case, norm_rtol=0.0):
             assert st["accumulating_flushes"] == 0, st
         if "reduce_bucket_size" in zero_extra:
             assert st["flushes"] > 2 * backwards, f"expected several flushes per backward: {st}"
+            # [Note: flush slices]: a flush reduce-scatters in slices of a quarter of the bucket
+            assert st["reduce_scatters"] > st["flushes"], st
         else:
             assert st["flushes"] == backwards, f"expected one flush per backward: {st}"
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion

@@ -64,7 +64,8 @@ z3ext = sys.modules.get("deepspeed_z3ext")  # imported by the activation check, 
 out = {"losses": trainer.recorded, "z3ext_imported": z3ext is not None, "explicit": args.explicit_import}
 if z3ext is not None:
     stats, grads = z3ext.stats(engine), z3ext.grad_stats(engine)
-    out.update(gather_collectives=stats.collectives, grad_flushes=grads.flushes, reduced_params=grads.reduced_params)
+    out.update(gather_collectives=stats.collectives, grad_flushes=grads.flushes, reduced_params=grads.reduced_params,
+               grad_reduce_scatters=grads.reduce_scatters)
 if args.comms_logger:
     from deepspeed import comm as ds_comm
     out["comms"] = {name: {str(size): rec[0] for size, rec in sizes.items()}
