@@ -12,6 +12,8 @@
 #                                    # and 64 (collectives do nothing: per-rank memory and host time are
 #                                    # real, communication time is zero, values wrong), all systems in
 #                                    # one process per shape and world; fits one 600 s call
+#   bash bench/device_run.sh memory  # pytest -m gpu tests/test_gradients.py, then bench/memory_peak.py: what is
+#                                    # live at the peak, by allocation site, GPT 6.7B at simulated world 8
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -24,7 +26,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld || $what == memory ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -37,7 +39,7 @@ fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20
 fi
-if [[ $what == grads || $what == grads-tests ]]; then
+if [[ $what == grads || $what == grads-tests || $what == memory ]]; then
   python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -12
 fi
 if [[ $what == grads || $what == grads-bench ]]; then
@@ -55,6 +57,12 @@ if [[ $what == step ]]; then  # the optimizer step phase by phase (stock, z3ext 
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
+fi
+if [[ $what == memory ]]; then
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
+  timeout -k 5 400 python3 bench/memory_peak.py --sim-world 8 $big --systems fsdp2,z3ext,z3ext-nohold --warmup 2 \
+    2>&1 | tee "$LOG/memory-peak.log" | grep -v Warning | tail -60
 fi
 if [[ $what == simworld ]]; then
   # Issue 23's shapes at --sim-world 8 and 64, each shape and world one process with every system in it

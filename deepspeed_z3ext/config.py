@@ -32,7 +32,12 @@ class Z3extConfig(BaseModel):
 
     hold_for_backward: StrictBool = True
     """Parameters a module gathered in a grad-enabled forward stay claimed for its backward (no
-    re-gather), while the numel so held stays within `stage3_max_live_parameters`."""
+    re-gather), within `hold_max_numel` per forward and `stage3_max_live_parameters` live; the others
+    are released and gathered again ahead of their backward ([Note: hold for backward])."""
+
+    hold_max_numel: StrictInt = Field(50_000_000, ge=0)
+    """Elements one forward's graph holds for its backward at most (DeepSpeed's default prefetch bucket:
+    as much as backward prefetch gathers ahead). Larger trades memory for fewer re-gathers."""
 
     plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many

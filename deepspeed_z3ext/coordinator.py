@@ -18,7 +18,7 @@ from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
 class Z3extCoordinator:
 
-    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True):
+    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -27,11 +27,16 @@ class Z3extCoordinator:
         # at the end of a grad-enabled forward whose outputs need grad, the module's Forward claim
         # becomes a Backward claim of the autograd graph of this forward call ([Note: graph claims]
         # in graphs.py), so backward (and a GatheredParameters block or another forward between
-        # forward and backward) needs no re-gather. A unit is held only while the elements of all
-        # gathered buffers (not just of held units: a held parameter keeps its whole coalesced buffer
-        # alive) are within stage3_max_live_parameters; past it, it is released as stock does and
-        # tensor hooks gather it again for its backward, under a claim of that one call.
+        # forward and backward) needs no re-gather. A unit is held only while the graph's held
+        # elements stay within `hold_max_numel` and the elements of all gathered storages within
+        # stage3_max_live_parameters; past either, it is released for real ([Note: true release]) and
+        # gathered again ahead of its backward ([Note: backward prefetch]), under a claim of that one
+        # call. A held unit stays gathered through the whole backward (its graph's claims end with the
+        # pass), so what is held adds to the peak of backward, where activations peak too: the budget
+        # defaults to what backward prefetch keeps ahead (5e7 elements), not to the live budget (1e9 by
+        # default: the whole of a 0.94B model, 1.26x FSDP2's peak at a simulated world of 8).
         self._hold_enabled = hold_for_backward
+        self._hold_max = max_live_numel if hold_max_numel is None else hold_max_numel
         self._max_live = max_live_numel
         self.window = PrefetchWindow(prefetch_bucket_numel)  # [Note: prefetch window]
         self.backward_window = BackwardWindow(prefetch_bucket_numel)  # [Note: backward prefetch]
@@ -149,9 +154,11 @@ class Z3extCoordinator:
         engine, owner, graphs = self.state.engine, module.ds_id, self.backward_claims
         if self._hold_enabled:
             g = graphs.graph()
-            if id(module) in g.held or engine.live_numel <= self._max_live:
+            if id(module) in g.held or (engine.live_numel <= self._max_live and g.held_numel + unit.numel <= self._hold_max):
                 engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
-                g.held.add(id(module))
+                if id(module) not in g.held:
+                    g.held.add(id(module))
+                    g.held_numel += unit.numel
                 engine.reshard(unit, self._fwd, owner, also_direct=True)
                 return
         engine.reshard(unit, self._fwd, owner, also_direct=True)

@@ -59,12 +59,13 @@ class GraphState(enum.Enum):
 
 
 class _Graph:
-    __slots__ = ("token", "state", "held", "roots", "reached")
+    __slots__ = ("token", "state", "held", "held_numel", "roots", "reached")
 
     def __init__(self, token):
         self.token = token
         self.state = GraphState.OPEN
         self.held = set()  # ids of modules holding a claim of this graph
+        self.held_numel = 0  # their units' elements
         self.roots = 0     # output nodes that need grad
         self.reached = set()  # output nodes a backward has executed
 

@@ -2,7 +2,7 @@
 after their forward (the hold off, or past a small live budget) are gathered ahead of their backward,
 several per collective, within stage3_prefetch_bucket_size; training stays bitwise equal to stock;
 a unit gathered ahead for a module whose backward never runs (a branch without gradient) is dropped at
-the pass's end; nothing stays gathered after backward."""
+the pass's end; nothing stays gathered after backward; `hold_max_numel` bounds what a forward holds."""
 from tests.harness import run_on_ranks
 
 LAYERS, WIDTH = 8, 32
@@ -49,12 +49,13 @@ def prefetch_next_to_stock(steps=3):
         "nohold": ({"hold_for_backward": False}, {"stage3_prefetch_bucket_size": BUCKET}),
         "nohold-no-prefetch": ({"hold_for_backward": False}, {"stage3_prefetch_bucket_size": 0}),
         "partial": ({}, {"stage3_prefetch_bucket_size": BUCKET, "stage3_max_live_parameters": 6 * UNIT}),
+        "hold-budget": ({"hold_max_numel": 3 * UNIT}, {"stage3_prefetch_bucket_size": BUCKET}),
     }
     out = {}
     for case, (options, zero_extra) in cases.items():
         eng = build_engine(ds_config(z3ext={"enabled": True, **options}, persistence=0, mel=False, ga=1,
                                      zero_extra=zero_extra), model_fn=stack)
-        record = {"backward_live": [], "backward_collectives": [], "after_backward": []}
+        record = {"backward_live": [], "backward_collectives": [], "after_backward": [], "held_after_forward": []}
 
         def probe(grad):
             record["backward_live"].append(deepspeed_z3ext.stats(eng).live_bytes)
@@ -66,6 +67,9 @@ def prefetch_next_to_stock(steps=3):
             loss = eng(inputs(i))
             for h in hooks:
                 h.remove()
+            claims = deepspeed_z3ext.stats(eng).claims
+            record["held_after_forward"].append(sorted({n.rsplit(".", 1)[0] for n, cs in claims.items()
+                                                        if any(kind == "backward" for kind, _ in cs)}))
             before = deepspeed_z3ext.stats(eng).collectives
             eng.backward(loss)
             st = deepspeed_z3ext.stats(eng)
@@ -94,6 +98,10 @@ def test_backward_prefetch_gathers_ahead_within_the_window_bitwise_equal_to_stoc
                                            f"{r['backward_collectives']}, peak live in backward {max(r['backward_live'])} B"
                                            for c, r in res.items()))
         assert on["gathered_ahead"] > 0 and off["gathered_ahead"] == 0, (on["gathered_ahead"], off["gathered_ahead"])
+        # hold_max_numel: the forward's graph holds the first three layers, the rest are gathered ahead.
+        held = res["hold-budget"]["held_after_forward"]
+        assert held == [[f"layers.{i}" for i in range(3)]] * len(held), held
+        assert res["hold-budget"]["gathered_ahead"] > 0
         # The hold partial: held, gathered ahead and current stay within the live budget plus the module
         # running its backward and the one whose claim is ending.
         live_bound = 4 * (6 * UNIT) + 2 * padded_unit_bytes
