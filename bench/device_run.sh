@@ -65,7 +65,7 @@ if [[ $what == memory ]]; then
     2>&1 | tee "$LOG/memory-peak.log" | grep -v Warning | tail -60
 fi
 if [[ $what == simworld ]]; then
-  # Issue 23's shapes at --sim-world 8 and 64, each shape and world one process with every system in it
+  # The 0.94B and 6.7B GPT at --sim-world 8 and 64, each shape and world one process with every system in it
   # (interleaved rounds). The unsharded 6.7B model (54 GB of bf16 weights, gradients and AdamW state)
   # does not fit beside the four sharded systems, so it runs on the 0.94B model only. Each run gets what
   # is left of SIM_BUDGET seconds (default 570, from this script's start): a run cut short leaves the
