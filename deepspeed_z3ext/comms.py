@@ -1,6 +1,7 @@
-"""DeepSpeed's comms logger sees z3ext's collectives ([Note: comms logger] DeepSpeed's comms logger records what goes through
-`deepspeed.comm`'s wrappers (`timed_op`). z3ext's gradient reduce-scatter is issued through
-`deepspeed.comm.reduce_scatter_fn`, looked up at each flush, as stock's `reduce_scatter_coalesced`
+"""DeepSpeed's comms logger sees z3ext's collectives ([Note: comms logger]).
+
+[Note: comms logger] DeepSpeed's comms logger records what goes through `deepspeed.comm`'s wrappers
+(`timed_op`). z3ext's gradient reduce-scatter is issued through `deepspeed.comm.reduce_scatter_fn`, looked up at each flush, as stock's `reduce_scatter_coalesced`
 issues it: the C++ flush calls back into it for the collective alone (csrc/reduce.h), so the logger,
 and anything else that counts DeepSpeed's collectives, sees stock's record (op, bytes, latency) at a
 cost of one Python call per bucket. The all-gathers are issued by the C++ gather engine on the c10d

@@ -153,11 +153,12 @@ class Z3extCoordinator:
     def _hold(self, module, unit, args, outputs):
         engine, owner, graphs = self.state.engine, module.ds_id, self.backward_claims
         if self._hold_enabled:
-            g = graphs.graph()
-            if id(module) in g.held or (engine.live_numel <= self._max_live and g.held_numel + unit.numel <= self._hold_max):
+            g, key = graphs.graph(), id(module)
+            held = key in g.held
+            if held or (engine.live_numel <= self._max_live and g.held_numel + unit.numel <= self._hold_max):
                 engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
-                if id(module) not in g.held:
-                    g.held.add(id(module))
+                if not held:
+                    g.held.add(key)
                     g.held_numel += unit.numel
                 engine.reshard(unit, self._fwd, owner, also_direct=True)
                 return

@@ -1,4 +1,5 @@
-"""PrefetchWindow: the units of upcoming plan positions gathered ahead of their modules.
+"""PrefetchWindow and BackwardWindow: the units of upcoming modules gathered ahead of their forward,
+and of modules released after their forward gathered ahead of their backward.
 
 [Note: prefetch window] Units of the next modules in the plan ([Note: forward plan]) are gathered
 ahead, in one collective per batch, claimed for those modules' forwards, without making the compute
