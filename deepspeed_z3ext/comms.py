@@ -1,19 +1,21 @@
 """DeepSpeed's comms logger sees z3ext's collectives ([Note: comms logger]).
 
 [Note: comms logger] DeepSpeed's comms logger records what goes through `deepspeed.comm`'s wrappers
-(`timed_op`). z3ext's gradient reduce-scatter is issued through `deepspeed.comm.reduce_scatter_fn`, looked up at each flush, as stock's `reduce_scatter_coalesced`
-issues it: the C++ flush calls back into it for the collective alone (csrc/reduce.h), so the logger,
-and anything else that counts DeepSpeed's collectives, sees stock's record (op, bytes, latency) at a
-cost of one Python call per bucket. The all-gathers are issued by the C++ gather engine on the c10d
-group; with `comms_logger.enabled` in the config, z3ext records each of them as stock's are recorded:
-under stock's op name (`all_gather_into_tensor`, so `deepspeed.comm.log_summary()` puts them in the
-same row), with stock's message size (the input: this rank's partitions), honouring `prof_all` /
-`prof_ops` / `verbose`, and timed as `timed_op` times: the accelerator is synchronised after the call,
-so the latency is real and logging slows training, as stock's does. The latency covers the whole
-op, so a gather's includes its claim bookkeeping. One `unshard_batch` that issued several
-collectives (one per process group and dtype) is recorded as that many records of equal shares of
-its bytes and time: the op reports how many it issued, not each one's size. Off (the default),
-nothing is wrapped: the gather engine is DeepSpeed-unaware C++.
+(`timed_op`). z3ext's gradient reduce-scatter is issued through `deepspeed.comm.reduce_scatter_fn`,
+looked up at each flush, as stock's `reduce_scatter_coalesced` issues it: the C++ flush calls back
+into it for the collective alone (csrc/reduce.h), so the logger, and anything else that counts
+DeepSpeed's collectives, sees stock's record (op, bytes, latency) at a cost of one Python call per
+slice of a flush ([Note: flush slices] in grads.py). The all-gathers are issued by the C++ gather
+engine on the c10d group; with `comms_logger.enabled` in the config, z3ext records each of them as
+stock's are recorded: under stock's op name (`all_gather_into_tensor`, so
+`deepspeed.comm.log_summary()` puts them in the same row), with stock's message size (the input:
+this rank's partitions), honouring `prof_all` / `prof_ops` / `verbose`, and timed as `timed_op`
+times: the accelerator is synchronised after the call, so the latency is real and logging slows
+training, as stock's does. The latency covers the whole op, so a gather's includes its claim
+bookkeeping. One `unshard_batch` that issued several collectives (one per process group and dtype)
+is recorded as that many records of equal shares of its bytes and time: the op reports how many it
+issued, not each one's size. Off (the default), nothing is wrapped: the gather engine is DeepSpeed-
+unaware C++.
 """
 import time
 
