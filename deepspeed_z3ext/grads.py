@@ -133,6 +133,7 @@ class GradReducer:
         self._n_unscales_skipped = 0
         self._n_norms = 0
         self._n_reduce_scatters = 0
+        self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
         # The stock bucket buffers are unused from now on: an empty tensor keeps offload_states working.

@@ -26,17 +26,14 @@ from deepspeed_z3ext.state import of_optimizer
 
 
 def _process_group(optimizer) -> Optional[object]:
-    """The one partition group of every sub-group when the fast norm applies ([Note: gradient norm])."""
-    if getattr(optimizer, "use_muon", False) or getattr(optimizer, "sub_groups_lacking_loss_scale", ()):
-        return None
-    if pg_utils.is_parallel(optimizer.model_parallel_group):
+    """The one partition group of every sub-group when the fast norm can apply, else None ([Note:
+    gradient norm]). A walk over every parameter: run once per engine (its groups are fixed), never per
+    step."""
+    if getattr(optimizer, "use_muon", False) or pg_utils.is_parallel(optimizer.model_parallel_group):
         return None
     group = None
-    for i, params in enumerate(optimizer.fp16_groups):
-        grads = optimizer.averaged_gradients.get(i)
-        if not params or not grads or len(grads) != len(params) or any(g is None for g in grads):
-            return None
-        if optimizer._autoep_expert_parallel_group(params) is not None:
+    for params in optimizer.fp16_groups:
+        if not params or optimizer._autoep_expert_parallel_group(params) is not None:
             return None
         optimizer._assert_same_partition_group(params)
         pg = optimizer._get_param_partition_group(params[0])
@@ -51,20 +48,24 @@ def norm_groups(optimizer) -> Optional[List[torch.Tensor]]:
     """Stock's `_get_norm_groups` result from one multi-tensor norm per sub-group and one all-reduce, or
     None where stock's must run."""
     state = of_optimizer(optimizer)
-    if state is None or state.config.exact_grad_norm or not state.grad_reducer:
+    reducer = state.grad_reducer if state is not None else None
+    if not reducer or state.config.exact_grad_norm or getattr(optimizer, "sub_groups_lacking_loss_scale", ()):
         return None
-    group = _process_group(optimizer)
-    if group is None:
+    if reducer.norm_group is None:
+        reducer.norm_group = (_process_group(optimizer), )
+    group = reducer.norm_group[0]
+    grads = [optimizer.averaged_gradients.get(i) for i in range(len(optimizer.fp16_groups))]
+    if group is None or not all(grads):
         return None
     norm_dtype = get_norm_dtype()
-    sums = [torch.sum(torch.pow(torch.stack(torch._foreach_norm(grads, 2.0, dtype=norm_dtype)), 2.0))
-            for grads in (optimizer.averaged_gradients[i] for i in range(len(optimizer.fp16_groups)))]
+    sums = [torch.sum(torch.pow(torch.stack(torch._foreach_norm(g, 2.0, dtype=norm_dtype)), 2.0))
+            for g in grads]
     total = torch.stack(sums)
     ds_comm.all_reduce(total, op=ds_comm.ReduceOp.SUM, group=group)
     total = total**(1. / 2.0)
     err = torch.tensor(-1.0, device=optimizer.device, dtype=torch.float)
     total = torch.where(total.isnan().logical_or(total.isinf()), err, total)
-    state.grad_reducer.count_norm()
+    reducer.count_norm()
     return list(total.unbind())
 
 
