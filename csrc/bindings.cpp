@@ -4,6 +4,7 @@
 #include "aio.h"
 #include "boundary.h"
 #include "engine.h"
+#include "oom.h"
 #include "reduce.h"
 
 namespace py = pybind11;
@@ -22,7 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "reduce_scatter_grads",
       [](const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests,
          int64_t rank, int64_t world, at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
-        auto r = reduce_scatter_grads(collective, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate);
+        auto r = oom_as_python([&] {  // [Note: out of memory]
+          return reduce_scatter_grads(collective, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate);
+        });
         return std::make_tuple(r.reduced, r.buffer_numel);
       },
       py::arg("collective"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
@@ -66,10 +69,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("make_handle", &GatherEngine::make_handle)
       .def("conflict", &GatherEngine::conflict, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("to_claim"))
-      .def("unshard", &GatherEngine::unshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
-           py::arg("defer") = false)
-      .def("unshard_batch", &GatherEngine::unshard_batch, py::arg("units"), py::arg("kind"), py::arg("owners"),
-           py::arg("defer") = false)
+      .def(
+          "unshard",  // [Note: out of memory]
+          [](GatherEngine& e, const FetchUnit& unit, ClaimKind kind, int64_t owner, bool defer) {
+            return oom_as_python([&] { return e.unshard(unit, kind, owner, defer); });
+          },
+          py::arg("unit"), py::arg("kind"), py::arg("owner"), py::arg("defer") = false)
+      .def(
+          "unshard_batch",
+          [](GatherEngine& e, const std::vector<std::shared_ptr<FetchUnit>>& units, ClaimKind kind,
+             const std::vector<int64_t>& owners, bool defer) {
+            return oom_as_python([&] { return e.unshard_batch(units, kind, owners, defer); });
+          },
+          py::arg("units"), py::arg("kind"), py::arg("owners"), py::arg("defer") = false)
       .def("reshard", &GatherEngine::reshard, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)

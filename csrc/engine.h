@@ -88,8 +88,9 @@ class GatherEngine {
   // number of parameters gathered.
   int64_t unshard(const FetchUnit& unit, ClaimKind kind, int64_t owner, bool defer) {
     std::vector<ParamHandle*> need;
-    claim(unit, Claim{kind, owner}, defer, need);  // a unit is in ds_id order, each parameter once
-    if (!need.empty()) gather_resident(need, defer);
+    Added added;
+    claim(unit, Claim{kind, owner}, defer, need, added);  // a unit is in ds_id order, each parameter once
+    if (!need.empty()) gather_or_roll_back(need, added, defer);
     return static_cast<int64_t>(need.size());
   }
 
@@ -100,11 +101,12 @@ class GatherEngine {
                         const std::vector<int64_t>& owners, bool defer) {
     if (units.size() != owners.size()) return -1;  // the coordinator passes one owner per unit
     std::vector<ParamHandle*> need;
-    for (size_t i = 0; i < units.size(); ++i) claim(*units[i], Claim{kind, owners[i]}, defer, need);
+    Added added;
+    for (size_t i = 0; i < units.size(); ++i) claim(*units[i], Claim{kind, owners[i]}, defer, need, added);
     // ds_id order, each parameter once (an external parameter can be in several units).
     std::sort(need.begin(), need.end(), [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
     need.erase(std::unique(need.begin(), need.end()), need.end());
-    if (!need.empty()) gather_resident(need, defer);
+    if (!need.empty()) gather_or_roll_back(need, added, defer);
     return static_cast<int64_t>(need.size());
   }
 
@@ -222,19 +224,53 @@ class GatherEngine {
     return released;
   }
 
-  // Adds claim `c` (and Persist where due) to the unit's parameters; the partitioned ones go to
-  // `need`, and without `defer` the compute stream waits for the gathered ones' buckets.
-  void claim(const FetchUnit& unit, const Claim& c, bool defer, std::vector<ParamHandle*>& need) {
+  // Claims one unshard call added, so that a gather that raises can take them back.
+  using Added = std::vector<std::pair<ParamHandle*, Claim>>;
+
+  // Adds claim `c` (and Persist where due) to the unit's parameters, recording each added claim in
+  // `added`; the partitioned ones go to `need`, and without `defer` the compute stream waits for the
+  // gathered ones' buckets.
+  void claim(const FetchUnit& unit, const Claim& c, bool defer, std::vector<ParamHandle*>& need, Added& added) {
     for (const auto& h : unit.handles) {
-      if (!h->claims.holds(c)) h->claims.add(c);
+      if (!h->claims.holds(c)) {
+        h->claims.add(c);
+        added.emplace_back(h.get(), c);
+      }
       if (c.kind == ClaimKind::Forward || c.kind == ClaimKind::Backward || c.kind == ClaimKind::Fallback)
         h->module_claimed = true;  // autograd may save views of it: true release ([Note: user views])
-      if (h->persist && !h->claims.holds(kPersist)) h->claims.add(kPersist);
+      if (h->persist && !h->claims.holds(kPersist)) {
+        h->claims.add(kPersist);
+        added.emplace_back(h.get(), kPersist);
+      }
       if (!h->bucket) {
         need.push_back(h.get());
       } else if (!defer) {
         h->bucket->wait_ready(h->tensor.device());
       }
+    }
+  }
+
+  // [Note: gather rollback] A gather can raise part-way: the allocator is out of memory for the k-th
+  // storage (c10::OutOfMemoryError, torch.OutOfMemoryError in Python: csrc/oom.h), or a collective
+  // fails. The call is then undone before the error propagates, so the engine is as before it: the
+  // claims it added are dropped, storages it filled but never handed to their parameter are emptied
+  // again, and parameters an earlier collective of the same call gathered are released when left
+  // unclaimed. Without it the filled storages stayed counted live and their memory held until the next
+  // gather of the same parameters, and the stale claims outlived the step. HF's and users' retry with
+  // a smaller batch then starts from the engine a fresh one would be (tests/test_faults.py).
+  void gather_or_roll_back(const std::vector<ParamHandle*>& need, const Added& added, bool defer) {
+    try {
+      gather_resident(need, defer);
+    } catch (...) {
+      for (const auto& [h, c] : added) h->claims.remove(c);
+      for (auto* h : need) {
+        if (h->bucket) {
+          if (h->claims.empty()) release(*h);
+        } else {
+          reshard_storage(*h);  // filled, not adopted (no-op when never filled)
+        }
+      }
+      throw;
     }
   }
 

@@ -76,13 +76,16 @@ class Z3extCoordinator:
     def reset_step(self):
         """Start of an outermost forward: Forward and Direct claims an abandoned forward left are
         released, and Backward claims whose graph or pass is over ([Note: graph claims]); the module
-        stack an exception inside a forward left dirty is cleaned."""
+        stack an exception inside a forward left dirty is cleaned, and the gradients of a backward that
+        raised are dropped."""
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
             _clean_module_stack()
             self._running.clear()
             self.backward_window.reset()
+            if self.state.grad_reducer:
+                self.state.grad_reducer.abandon_pass()  # [Note: failed pass] in grads.py
         self.window.reset()
         self._warn_divergence()
         self.plan = self.plans[torch.is_grad_enabled()]

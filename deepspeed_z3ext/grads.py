@@ -23,6 +23,19 @@ bucket's gradients at the moment backward holds the most activations, is a quart
 gradients). Each element meets the same operands in the same ops as in one collective over the
 bucket, so the partitions are the same bits; it costs three more collectives per full bucket.
 
+[Note: failed pass] A backward pass that raises (out of memory in a re-fill, a flush or any op of
+autograd's) never reaches DeepSpeed's epilogue: its gradients noted and not yet reduced stay in `.grad`
+and in the bucket, where the next backward would accumulate into them. The first gradient a pass notes
+queues an autograd-engine callback, which runs only when that graph task completes (not when it
+raises); a flush that raises in the epilogue marks the pass again. At the next outermost forward
+(coordinator `reset_step`) a pass that noted gradients and never completed is abandoned: those
+gradients are dropped, so the micro-batch that failed contributes nothing it had not already written. What a
+flush had written at the window's first micro-step is overwritten by the next backward (stock's
+`micro_step_id` does not advance without an epilogue: copy semantics again); what it had added at a
+later micro-step cannot be taken out of the partitions and stays (a warning says how many and that
+`engine.zero_grad()` restarts the window). A flush that raises puts its unwritten gradients back
+into the bucket first ([Note: out of memory] in csrc/oom.h).
+
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
 0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
@@ -61,7 +74,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import log_dist
+from deepspeed.utils import log_dist, logger
 
 from deepspeed_z3ext import comms, deepspeed_private as private
 from deepspeed_z3ext._ops import ops
@@ -82,6 +95,7 @@ class GradReduceStats(NamedTuple):
     bucket_elements: int  # elements noted and not yet reduced
     fast_norms: int       # steps whose gradient norm was one multi-tensor pass per sub-group ([Note: gradient norm])
     reduce_scatters: int  # collectives issued: a flush issues one per slice ([Note: flush slices])
+    abandoned_passes: int  # backward passes that raised: their unreduced gradients dropped ([Note: failed pass])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -133,6 +147,10 @@ class GradReducer:
         self._n_unscales_skipped = 0
         self._n_norms = 0
         self._n_reduce_scatters = 0
+        self._n_abandoned = 0
+        self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
+        self._pass_task = None  # its autograd graph task
+        self._pass_accumulated = 0  # partitions it added to (gradient accumulation)
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
@@ -144,7 +162,7 @@ class GradReducer:
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
-                               self._n_reduce_scatters)
+                               self._n_reduce_scatters, self._n_abandoned)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -154,6 +172,10 @@ class GradReducer:
         """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
         bucket past its size or into another group, then note its gradient."""
         bucket = self.bucket
+        task = torch._C._current_graph_task_id()
+        if task != self._pass_task and task != -1:  # the first gradient of this pass ([Note: failed pass])
+            self._pass_task, self._pass_open = task, True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pass_done(task))
         if param.ds_id in bucket.ids:
             # Noted already and not reduced yet: a backward that raised part-way left it (its epilogue never
             # ran) and a retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or
@@ -208,12 +230,17 @@ class GradReducer:
             for part in _slices(params, self.slice_numel):  # [Note: flush slices]
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
-                n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+                try:
+                    n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+                except BaseException:
+                    self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
+                    raise
                 del grads
                 for p in part:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
                     p.grad = None
                 reduced += n
                 self._n_reduce_scatters += world > 1
+                self._pass_accumulated += n if accumulate else 0
             if self._on_device:
                 event = get_accelerator().Event()
                 event.record()
@@ -222,6 +249,42 @@ class GradReducer:
         self._n_reduced += reduced
         self._n_accumulating += accumulate
         self._host_s += time.perf_counter() - t0
+
+    def _restore(self, params, group):
+        """A flush raised: the gradients it had not written yet are the bucket again."""
+        bucket = self.bucket
+        for p in params:
+            if p.ds_id not in bucket.ids:
+                bucket.params.append(p)
+                bucket.ids.add(p.ds_id)
+                bucket.elements += p.ds_numel
+        bucket.group = group if bucket.params else None
+        self._pass_open = True  # raised in the epilogue, after the pass's own completion callback
+
+    def _pass_done(self, task):
+        """The autograd engine completed graph task `task` (a raising pass never gets here)."""
+        if self._pass_task == task:
+            self.end_pass()
+
+    def end_pass(self):
+        self._pass_open, self._pass_task, self._pass_accumulated = False, None, 0
+
+    def abandon_pass(self):
+        """An outermost forward starts outside backward ([Note: failed pass])."""
+        if not self._pass_open:
+            return
+        optimizer = self._optimizer()
+        micro_step = getattr(optimizer, "micro_step_id", None)
+        for p in self.bucket.params:
+            p.grad = None
+        self.bucket.clear()
+        self._n_abandoned += 1
+        if self._pass_accumulated:
+            logger.warning(f"z3ext: a backward pass raised at gradient-accumulation micro-step {micro_step} after "
+                           f"adding {self._pass_accumulated} gradient partitions of its micro-batch into this window; "
+                           f"they stay in the window's gradients (its other gradients were dropped). Call "
+                           f"engine.zero_grad() to restart the window without them")
+        self.end_pass()
 
     def step_gradient(self, optimizer, sub_group_id):
         """Sub-group `sub_group_id`'s gradient for the optimizer step without stock's flattening copy:
@@ -262,6 +325,7 @@ class GradReducer:
         for p in self.bucket.params:
             p.grad = None
         self.bucket.clear()
+        self.end_pass()
 
 
 def _slices(params, limit):
