@@ -14,6 +14,8 @@
 #                                    # one process per shape and world; fits one 600 s call
 #   bash bench/device_run.sh memory  # pytest -m gpu tests/test_gradients.py, then bench/memory_peak.py: what is
 #                                    # live at the peak, by allocation site, GPT 6.7B at simulated world 8
+#   bash bench/device_run.sh faults  # pytest -m gpu tests/test_faults.py tests/test_gradients.py: the CUDA
+#                                    # allocator out of memory in a gather, a re-fill and autograd (one GPU)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -26,7 +28,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld || $what == memory ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld || $what == memory || $what == faults ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -38,6 +40,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20
+fi
+if [[ $what == faults ]]; then
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  python3 -m pytest -q -rP -m gpu tests/test_faults.py tests/test_gradients.py 2>&1 | tee "$LOG/gpu-faults.log" | tail -30
 fi
 if [[ $what == grads || $what == grads-tests || $what == memory ]]; then
   python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -12

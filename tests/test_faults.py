@@ -142,3 +142,19 @@ def test_out_of_memory_leaves_an_engine_that_trains_as_a_fresh_one(cases):
             assert not r["claimed"], f"{where}: claims left on {r['claimed']}"
             assert r["bucket"] == 0 and not r["grads"], (where, r["bucket"], r["grads"])
             assert r["abandoned"] == r["expected_abandoned"], f"{where}: {r['abandoned']} passes abandoned"
+
+
+@pytest.mark.gpus(1)
+def test_out_of_memory_on_cuda():
+    """The CUDA caching allocator itself out of memory (tests/scripts/cuda_oom.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, str(root / "tests" / "scripts" / "cuda_oom.py")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "cuda out-of-memory: ok" in r.stdout
