@@ -26,15 +26,15 @@ bucket, so the partitions are the same bits; it costs three more collectives per
 [Note: failed pass] A backward pass that raises (out of memory in a re-fill, a flush or any op of
 autograd's) never reaches DeepSpeed's epilogue: its gradients noted and not yet reduced stay in `.grad`
 and in the bucket, where the next backward would accumulate into them. The first gradient a pass notes
-queues an autograd-engine callback, which runs only when that graph task completes (not when it
-raises); a flush that raises in the epilogue marks the pass again. At the next outermost forward
-(coordinator `reset_step`) a pass that noted gradients and never completed is abandoned: those
-gradients are dropped, so the micro-batch that failed contributes nothing it had not already written. What a
-flush had written at the window's first micro-step is overwritten by the next backward (stock's
-`micro_step_id` does not advance without an epilogue: copy semantics again); what it had added at a
-later micro-step cannot be taken out of the partitions and stays (a warning says how many and that
-`engine.zero_grad()` restarts the window). A flush that raises puts its unwritten gradients back
-into the bucket first ([Note: out of memory] in csrc/oom.h).
+queues an autograd-engine callback, which runs only when that graph task completes (not when it raises);
+a flush that raises in the epilogue marks the pass again. At the next outermost forward (coordinator
+`reset_step`) a pass that noted gradients and never completed is abandoned: those gradients are dropped,
+so the micro-batch that failed contributes nothing it had not already written. What a flush had written
+at the window's first micro-step is overwritten by the next backward (stock's `micro_step_id` does not
+advance without an epilogue: copy semantics again); what it had added at a later micro-step cannot be
+taken out of the partitions and stays (a warning says how many and that `engine.zero_grad()` restarts
+the window). A flush that raises puts its unwritten gradients back into the bucket first
+([Note: out of memory] in csrc/oom.h).
 
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
