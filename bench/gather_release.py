@@ -160,10 +160,11 @@ def build_system(name, a, device):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool and dsgrads (z3ext:
-    # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false)
+    # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
+    # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
+    # (z3ext.free_grad_partitions: gradient partitions freed between steps)
     base, *variants = name.split("-")
-    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads")]
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     mel = "mel" in variants
@@ -175,6 +176,8 @@ def build_system(name, a, device):
             options["pool_budget_mb"] = 0
         if "dsgrads" in variants:
             options["reduce_gradients"] = False
+        if "freegrads" in variants:
+            options["free_grad_partitions"] = True
         cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)

@@ -57,6 +57,12 @@ class Z3extConfig(BaseModel):
     per sub-group and one all-reduce, stock's bits on CPU, within rounding of them on CUDA ([Note:
     gradient norm] in norm.py)."""
 
+    free_grad_partitions: StrictBool = False
+    """Free the optimizer's gradient partitions (2 bytes per parameter per rank in bf16) from the end of
+    each step to the window's first reduce-scatter, which re-allocates them zeroed ([Note: gradient
+    partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter gets a
+    gradient in each window; one that gets none steps on zeros, not on stock's stale partition."""
+
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""

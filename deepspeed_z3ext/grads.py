@@ -36,6 +36,19 @@ taken out of the partitions and stays (a warning says how many and that `engine.
 the window). A flush that raises puts its unwritten gradients back into the bucket first
 ([Note: out of memory] in csrc/oom.h).
 
+[Note: gradient partitions between steps] Stock keeps the optimizer's gradient partitions
+(`grad_partitions_flat_buffer`, this rank's share of every gradient in the gradient dtype) allocated for
+the engine's life, so a trainable parameter that gets no gradient in a window steps on the partition an
+earlier window left there. With `z3ext.free_grad_partitions` the buffer's storage is resized to 0 bytes
+after each step (`_post_step`) and re-allocated, zeroed, by the window's first flush (or by the next
+step's start if no flush came): the views DeepSpeed keeps of it stay valid, as a released parameter's do
+([Note: true release] in csrc/engine.h), and between steps (evaluation, generation, a reference model's
+forward) the memory is the program's. The numbers are stock's whenever every trainable parameter gets a
+gradient in each window, since the first flush of a window copies over the whole partition; a parameter
+that gets none steps on zeros (stock's first window), not on stale values, which is why it is opt-in.
+DeepSpeed's `offload_states` re-allocates it first. On CUDA the buffer is freed on the compute stream
+after the step, when stock's epilogue has synchronised the reduce stream that wrote it.
+
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
 0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
@@ -96,6 +109,7 @@ class GradReduceStats(NamedTuple):
     fast_norms: int       # steps whose gradient norm was one multi-tensor pass per sub-group ([Note: gradient norm])
     reduce_scatters: int  # collectives issued: a flush issues one per slice ([Note: flush slices])
     abandoned_passes: int  # backward passes that raised: their unreduced gradients dropped ([Note: failed pass])
+    partitions_freed: int  # steps after which the gradient partitions were freed ([Note: gradient partitions between steps])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -151,6 +165,9 @@ class GradReducer:
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
         self._pass_task = None  # its autograd graph task
         self._pass_accumulated = 0  # partitions it added to (gradient accumulation)
+        self._free_partitions = state.config.free_grad_partitions  # [Note: gradient partitions between steps]
+        self._freed = None  # (the buffer's data_ptr, its bytes) while freed
+        self._n_freed = 0
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
         self.step_copy_reason = None  # why the last step that could not use the buffer copied (diagnostics)
@@ -162,7 +179,7 @@ class GradReducer:
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
-                               self._n_reduce_scatters, self._n_abandoned)
+                               self._n_reduce_scatters, self._n_abandoned, self._n_freed)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -207,6 +224,7 @@ class GradReducer:
             return
         t0 = time.perf_counter()
         optimizer = self._optimizer()
+        self.allocate_partitions()  # on the compute stream, before the reduce stream waits for it
         params = sorted(bucket.params, key=lambda p: p.ds_id)  # the same layout on every rank
         bucket.clear()
         partitions = private.grad_partitions(optimizer)
@@ -249,6 +267,28 @@ class GradReducer:
         self._n_reduced += reduced
         self._n_accumulating += accumulate
         self._host_s += time.perf_counter() - t0
+
+    def free_partitions(self):
+        """The step is over ([Note: gradient partitions between steps])."""
+        buffer = getattr(self._optimizer(), "grad_partitions_flat_buffer", None)
+        if not self._free_partitions or self._freed is not None or buffer is None:
+            return
+        storage = buffer.untyped_storage()
+        self._freed = (buffer.data_ptr(), storage.nbytes())
+        storage.resize_(0)
+        self._n_freed += 1
+
+    def allocate_partitions(self):
+        """The gradient partitions hold memory again, zeroed (no-op unless freed)."""
+        if self._freed is None:
+            return
+        old, nbytes = self._freed
+        self._freed = None
+        buffer = self._optimizer().grad_partitions_flat_buffer
+        buffer.untyped_storage().resize_(nbytes)
+        buffer.zero_()
+        new = buffer.data_ptr()  # the step view's cache follows the buffer ([Note: step view validity])
+        self._runs = {(new if ptr == old else ptr, sub): run for (ptr, sub), run in self._runs.items()}
 
     def _restore(self, params, group):
         """A flush raised: the gradients it had not written yet are the bucket again."""
@@ -326,6 +366,7 @@ class GradReducer:
             p.grad = None
         self.bucket.clear()
         self.end_pass()
+        self.allocate_partitions()  # a window without any flush steps on zeros
 
 
 def _slices(params, limit):
@@ -414,6 +455,26 @@ def pre_step(stock):
         return stock(self)
 
     return _pre_step
+
+
+def post_step(stock):
+    def _post_step(self, timer_names):
+        stock(self, timer_names)
+        reducer = reducer_of(self)
+        if reducer is not None:
+            reducer.free_partitions()  # [Note: gradient partitions between steps]
+
+    return _post_step
+
+
+def offload_states(stock):
+    def offload_states_(self, *args, **kwargs):
+        reducer = reducer_of(self)
+        if reducer is not None:
+            reducer.allocate_partitions()  # DeepSpeed copies the buffer out
+        return stock(self, *args, **kwargs)
+
+    return offload_states_
 
 
 def prepare_step_gradient(stock):

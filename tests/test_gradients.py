@@ -18,6 +18,8 @@ CASES = {
     "clip-untriggered": ({"gradient_clipping": 1e6}, {}, {}, 2),  # never triggered: the step's view
     "clip-exact-norm": ({"gradient_clipping": 1e-3}, {}, {"exact_grad_norm": True}, 2),  # stock's norm loop
     "bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {}, {}, 2),
+    "free-grad-partitions": ({}, {}, {"free_grad_partitions": True}, 2),  # [Note: gradient partitions between steps]
+    "free-grad-partitions-clip": ({"gradient_clipping": 1e-3}, {}, {"free_grad_partitions": True}, 1),
     "stock-path": ({}, {}, {"reduce_gradients": False}, 2),
     "reduce-scatter-off": ({}, {"reduce_scatter": False}, {}, 2),  # stock's all-reduce path: kept
     # DeepSpeed refuses fp16 on CPU: GPU only (test_gradient_path_on_gpu).
@@ -73,7 +75,7 @@ def train_both(case, steps=4):
             model = _model()()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         dtype = next(engine.module.parameters()).dtype
-        losses, partitions, norms = [], [], []
+        losses, partitions, norms, between = [], [], [], []
         for i in range(steps * ga):
             loss = -engine(_tokens(i, rank)).float().mean()  # engine.forward every micro-step: accumulation runs
             engine.backward(loss)
@@ -82,11 +84,12 @@ def train_both(case, steps=4):
             engine.step()
             losses.append(loss.item())
             if (i + 1) % ga == 0:
+                between.append(engine.optimizer.grad_partitions_flat_buffer.untyped_storage().nbytes())
                 norm = engine.get_global_grad_norm()
                 norms.append(float(norm) if norm is not None else None)
         state = of_optimizer(engine.optimizer)
         reducer = state.grad_reducer if state is not None else None
-        runs[name] = dict(losses=losses, partitions=partitions, norms=norms, params=full_params(engine),
+        runs[name] = dict(losses=losses, partitions=partitions, norms=norms, params=full_params(engine), between=between,
                           stats=reducer.stats()._asdict() if reducer else None,
                           bucket_numel=[b.buffer.numel() for b in engine.optimizer.ipg_buckets.values()
                                         if b.buffer is not None],
@@ -101,7 +104,7 @@ def train_both(case, steps=4):
     return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], stock_norms=stock["norms"], z3_norms=z3["norms"], partition_diffs=partition_diffs,
                 n_partitions=sum(len(p) for p in z3["partitions"]), mismatched=mismatched, stats=z3["stats"],
                 stock_bucket=stock["bucket_numel"], z3_bucket=z3["bucket_numel"], skipped=(stock["skipped"], z3["skipped"]),
-                dtype=z3["dtype"], converted=z3["converted"])
+                dtype=z3["dtype"], converted=z3["converted"], stock_between=stock["between"], z3_between=z3["between"])
 
 
 def norms_agree(stock, z3, rtol):
@@ -142,17 +145,24 @@ def check(results, case, norm_rtol=0.0):
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
-        if case in ("clip", "clip-exact-norm", "fp16-loss-scale") and not r["converted"]:
+        clipped = ("clip", "clip-exact-norm", "fp16-loss-scale", "free-grad-partitions-clip")
+        if case in clipped and not r["converted"]:
             assert st["step_views"] == 0, st
         else:
             assert st["step_views"] == steps_taken, st
         # The unscale is skipped exactly when it would multiply by 1: no loss scale, clipping off or untriggered.
-        if case in ("clip", "clip-exact-norm", "fp16-loss-scale"):
+        if case in clipped:
             assert st["unscales_skipped"] == 0, st
         else:
             assert st["unscales_skipped"] == steps_taken, st
         # The step's norm was z3ext's multi-tensor pass, unless the case asks for stock's loop.
         assert st["fast_norms"] == (0 if options.get("exact_grad_norm") else steps_taken), st
+        # The gradient partitions between steps: freed with free_grad_partitions, else kept as stock keeps them.
+        assert all(n > 0 for n in r["stock_between"]), r["stock_between"]
+        if options.get("free_grad_partitions"):
+            assert r["z3_between"] == [0] * len(r["z3_between"]) and st["partitions_freed"] == steps_taken, (r["z3_between"], st)
+        else:
+            assert r["z3_between"] == r["stock_between"] and st["partitions_freed"] == 0, (r["z3_between"], st)
         # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
         assert r["stock_bucket"] and all(n > 0 for n in r["stock_bucket"]) and all(n == 0 for n in r["z3_bucket"])
     if "fp16" in case:
@@ -179,7 +189,7 @@ def _on_gpu(world):
 
 
 @pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
-@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "fp16-loss-scale"])
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "fp16-loss-scale", "free-grad-partitions"])
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
     the same arithmetic; two: a two-operand sum, the same in any order)."""
