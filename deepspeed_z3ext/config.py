@@ -207,5 +207,26 @@ def sanity_check(stock_check):
         refused = unsupported_options(self)
         if refused:
             raise Z3extConfigError(f'"{SECTION}" does not support yet: ' + "; ".join(refused))
+        if cfg.free_grad_partitions:
+            stock_path = _stock_gradient_path(self, cfg)
+            if stock_path:
+                raise Z3extConfigError(f'"{SECTION}.free_grad_partitions" needs z3ext\'s gradient path, which '
+                                       f"{stock_path} keeps on DeepSpeed's")
 
     return _do_sanity_check
+
+
+def _stock_gradient_path(ds_config, cfg) -> Optional[str]:
+    """The config keys that keep gradients on DeepSpeed's stage-3 path (grads.stock_path_reason decides
+    at run time; these are the ones a config alone shows)."""
+    zc = ds_config.zero_config
+    offload = getattr(zc, "offload_optimizer", None)
+    if not cfg.reduce_gradients:
+        return f"{SECTION}.reduce_gradients = false"
+    if offload is not None and not str(getattr(offload, "device", "none")).endswith("none"):
+        return "zero_optimization.offload_optimizer"
+    if getattr(zc, "zero_quantized_gradients", False):
+        return "zero_optimization.zero_quantized_gradients"
+    if not getattr(zc, "reduce_scatter", True):
+        return "zero_optimization.reduce_scatter = false"
+    return None
