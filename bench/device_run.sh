@@ -16,6 +16,8 @@
 #                                    # live at the peak, by allocation site, GPT 6.7B at simulated world 8
 #   bash bench/device_run.sh faults  # pytest -m gpu tests/test_faults.py tests/test_gradients.py: the CUDA
 #                                    # allocator out of memory in a gather, a re-fill and autograd (one GPU)
+#   bash bench/device_run.sh profile # host phases of the 0.94B GPT's tiny forward and training step (profile_host.py) and
+#                                    # the 6.7B GPT's optimizer step phase by phase, at simulated worlds 8 and 64
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -28,7 +30,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld || $what == memory || $what == faults ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld || $what == memory || $what == faults || $what == profile ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -60,6 +62,16 @@ if [[ $what == step ]]; then  # the optimizer step phase by phase (stock, z3ext 
   python3 bench/step_breakdown.py --systems stock,z3ext-dsgrads,z3ext,fsdp2 --steps 5 2>&1 | tee "$LOG/step.log" | tail -18
   python3 bench/step_breakdown.py --systems stock,z3ext-dsgrads,z3ext,fsdp2 --steps 5 --gradient-clipping 0 2>&1 |
     tee "$LOG/step-noclip.log" | tail -18
+fi
+if [[ $what == profile ]]; then
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
+  for w in 8 64; do
+    timeout -k 5 150 python3 bench/profile_host.py --model gpt --sim-world $w --systems z3ext,unsharded 2>&1 | grep -v Warning | tail -3
+    cp bench/out/profile-*sim$w*.txt "$LOG/" 2>/dev/null
+    timeout -k 5 150 python3 bench/step_breakdown.py --sim-world $w $big --systems z3ext,fsdp2 --steps 5 2>&1 |
+      tee "$LOG/step-6.7B-w$w.log" | grep -v Warning | tail -22
+  done
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30

@@ -86,6 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("also_direct") = false)
       .def("drop_kinds", &GatherEngine::drop_kinds)
       .def("sweep", &GatherEngine::sweep)
+      .def("sweep_step", &GatherEngine::sweep_step)  // [Note: persistent refresh]
       .def("drop_owners", &GatherEngine::drop_owners, py::arg("kind"), py::arg("owners"))
       .def("write_back", &GatherEngine::write_back)
       .def("set_residency", &GatherEngine::set_residency, py::arg("residency"))  // [Note: partition residency]
@@ -103,6 +104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["released_params"] = s.released_params;
         d["collectives"] = s.collectives;
         d["refilled"] = s.refilled;
+        d["refreshed"] = s.refreshed;
         return d;
       });
 

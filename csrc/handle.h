@@ -52,6 +52,9 @@ struct ParamHandle {
   at::Tensor parked;  // the module storage while a user-only gather uses another ([Note: user views])
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> user_storage;  // the last user-only gather's
   bool module_claimed = false;  // a module (or fallback) claim since this gather ([Note: user views])
+  // Kept gathered through the optimizer step, its partition since rewritten: the next claim re-gathers
+  // it into the same storage ([Note: persistent refresh] in engine.h).
+  bool stale = false;
 
   ParamState state() const { return bucket ? ParamState::Gathered : ParamState::Partitioned; }
 

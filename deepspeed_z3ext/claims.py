@@ -22,8 +22,9 @@ TOKEN_BASE = ops().TOKEN_BASE      # BACKWARD tokens start above every module ds
 # What the start of an outermost forward ends (Backward claims end with their graph or pass).
 FORWARD_START_KINDS = (FORWARD, DIRECT, FALLBACK)
 # What the optimizer step ends: everything but live GatheredParameters blocks (the step rewrites
-# partitions: a full parameter kept across it would be stale).
-STEP_KINDS = FORWARD_START_KINDS + (BACKWARD, PERSIST)
+# partitions: a full parameter kept across it would be stale) and persistence, whose parameters stay
+# gathered and are re-gathered in place (engine.sweep_step, [Note: persistent refresh] in csrc/engine.h).
+STEP_KINDS = FORWARD_START_KINDS + (BACKWARD, )
 
 
 class ClaimError(Z3extError, RuntimeError):

@@ -221,7 +221,7 @@ class Z3extCoordinator:
     def release_and_reset_all(self, module):
         """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released
         (the step rewrites partitions: a full parameter kept across it would be stale)."""
-        self.state.engine.sweep(claims.STEP_KINDS)
+        self.state.engine.sweep_step(claims.STEP_KINDS)  # [Note: persistent refresh] in csrc/engine.h
         self.backward_claims.forget_all()
         if self.state.config.leak_check:
             self.state.check_leaks("at the optimizer step")

@@ -19,6 +19,7 @@ class Z3extStats(NamedTuple):
     nvme_read_ahead_hits: int = 0   # of those, read ahead before their gather ([Note: nvme read-ahead])
     refilled_params: int = 0        # gathers into a storage a previous gather made (views of it valid again)
     backward_prefetched: int = 0    # units gathered ahead of their module's backward ([Note: backward prefetch])
+    refreshed_params: int = 0       # persistent parameters re-gathered in place after a step ([Note: persistent refresh])
 
 
 def state_of(engine):
@@ -48,7 +49,7 @@ def stats(engine) -> Z3extStats:
     return Z3extStats(live_bytes=s["live_bytes"], peak_live_bytes=s["peak_live_bytes"], gathered=gathered,
                       claims=claims, collectives=s["collectives"], gathered_params=s["gathered_params"],
                       pool_cached_bytes=0, pool_budget_bytes=0, pool_reused=0, pool_orphaned=0,
-                      refilled_params=s["refilled"],
+                      refilled_params=s["refilled"], refreshed_params=s["refreshed"],
                       backward_prefetched=state.coordinator.backward_window.gathered_ahead if state.coordinator else 0,
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))

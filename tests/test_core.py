@@ -299,6 +299,50 @@ def test_persistent_parameters_do_not_pin_prefetch_buckets():
         assert r["after_backward"] == [r["persistent_numel"]] * 4, r
 
 
+
+def persistent_refresh_case():
+    import torch
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from tests.models import TinyGPT, batch, build_engine, ds_config
+
+    # Threshold 100: LayerNorm parameters and the smaller biases persist. Stock and z3ext train on the
+    # same micro-batches; after every step each persistent parameter must hold stock's freshly
+    # gathered value, in the same storage as before the step ([Note: persistent refresh]).
+    def engine_for(z3ext):
+        return build_engine(ds_config(z3ext=z3ext, persistence=100, ga=1), model_fn=lambda: TinyGPT(layers=3))
+
+    stock, z3 = engine_for(False), engine_for({"enabled": True})
+    names = [n for n, p in z3.module.named_parameters() if p.ds_persist]
+    z3_params, stock_params = dict(z3.module.named_parameters()), dict(stock.module.named_parameters())
+    ptrs, equal, available, losses = [], [], [], []
+    for step in range(3):
+        for e in (stock, z3):
+            loss = e(batch(step, dist.get_rank()))
+            e.backward(loss)
+            e.step()
+            losses.append(loss.item())
+        ptrs.append([z3_params[n].data_ptr() for n in names])
+        equal.append([torch.equal(z3_params[n].data, stock_params[n].data) for n in names])
+        available.append(all(z3_params[n].ds_status == ZeroParamStatus.AVAILABLE for n in names))
+    st = deepspeed_z3ext.stats(z3)
+    return dict(n=len(names), ptrs=ptrs, equal=equal, available=available, refreshed=st.refreshed_params,
+                losses=losses, gathered=sorted(st.gathered) == sorted(names))
+
+
+def test_persistent_parameters_are_regathered_in_place_after_each_step():
+    """A persistent parameter stays gathered through the step and is re-gathered into its own storage
+    by the `_post_step` gather: same values as stock's new gather, bitwise, no new storage."""
+    for r in run_on_ranks(persistent_refresh_case):
+        assert r["n"] > 0
+        assert all(all(e) for e in r["equal"]), r["equal"]
+        assert r["ptrs"][0] == r["ptrs"][1] == r["ptrs"][2], "a persistent parameter got a new storage"
+        assert all(r["available"]) and r["gathered"], r
+        assert r["refreshed"] == 3 * r["n"], r
+        assert r["losses"][0::2] == r["losses"][1::2], r["losses"]
+
+
 # ----------------------------------------------------------------------------- batch size
 def batch_size_case():
     from tests.models import TinyGPT, build_engine, ds_config, full_params
