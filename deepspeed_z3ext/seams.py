@@ -104,7 +104,8 @@ def _table():
         Seam(DeepSpeedZeroOptimizer_Stage3, "_prepare_fp32_grad_for_sub_group", grads.prepare_step_gradient,
              "the optimizer steps on a view of the gradient buffer, not a flattened copy ([Note: step gradient view])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "unscale_and_clip_grads", grads.unscale,
-             "an unscale by exactly 1 (no loss scale, no clipping triggered) is skipped"),
+             "an unscale by exactly 1 (no loss scale, no clipping triggered) is skipped, one done in the step "
+             "gradient's copy too ([Note: fused unscale])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", norm.get_norm_groups,
              "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
     ]

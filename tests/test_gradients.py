@@ -14,7 +14,8 @@ CASES = {
     "ga1": ({}, {}, {}, 1),
     "ga3": ({}, {}, {}, 3),
     "small-bucket": ({}, {"reduce_bucket_size": 300}, {}, 2),
-    "clip": ({"gradient_clipping": 1e-3}, {}, {}, 2),  # triggered at every step: DeepSpeed's copy
+    "clip": ({"gradient_clipping": 1e-3}, {}, {}, 2),  # triggered at every step: a scaled copy ([Note: fused unscale])
+    "bf16-clip": ({"bf16": {"enabled": True}, "gradient_clipping": 1e-3}, {}, {}, 2),  # converted and scaled in one
     "clip-untriggered": ({"gradient_clipping": 1e6}, {}, {}, 2),  # never triggered: the step's view
     "clip-exact-norm": ({"gradient_clipping": 1e-3}, {}, {"exact_grad_norm": True}, 2),  # stock's norm loop
     "bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {}, {}, 2),
@@ -145,16 +146,14 @@ def check(results, case, norm_rtol=0.0):
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
-        clipped = ("clip", "clip-exact-norm", "fp16-loss-scale", "free-grad-partitions-clip")
-        if case in clipped and not r["converted"]:
-            assert st["step_views"] == 0, st
-        else:
-            assert st["step_views"] == steps_taken, st
+        # [Note: fused unscale]: where the unscale multiplies, that copy is also the unscale, which is not run.
+        clipped = ("clip", "bf16-clip", "clip-exact-norm", "fp16-loss-scale", "free-grad-partitions-clip")
+        assert st["step_views"] == steps_taken, st
         # The unscale is skipped exactly when it would multiply by 1: no loss scale, clipping off or untriggered.
         if case in clipped:
-            assert st["unscales_skipped"] == 0, st
+            assert st["unscales_skipped"] == 0 and st["unscales_fused"] == steps_taken, st
         else:
-            assert st["unscales_skipped"] == steps_taken, st
+            assert st["unscales_skipped"] == steps_taken and st["unscales_fused"] == 0, st
         # The step's norm was z3ext's multi-tensor pass, unless the case asks for stock's loop.
         assert st["fast_norms"] == (0 if options.get("exact_grad_norm") else steps_taken), st
         # The gradient partitions between steps: freed with free_grad_partitions, else kept as stock keeps them.
@@ -189,7 +188,7 @@ def _on_gpu(world):
 
 
 @pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
-@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "fp16-loss-scale", "free-grad-partitions"])
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions"])
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
     the same arithmetic; two: a two-operand sum, the same in any order)."""
