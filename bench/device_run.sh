@@ -18,6 +18,8 @@
 #                                    # allocator out of memory in a gather, a re-fill and autograd (one GPU)
 #   bash bench/device_run.sh profile # host phases of the 0.94B GPT's tiny forward and training step (profile_host.py) and
 #                                    # the 6.7B GPT's optimizer step phase by phase, at simulated worlds 8 and 64
+#   bash bench/device_run.sh step-ab # pytest -m gpu tests/test_gradients.py, then the optimizer step phase by phase at
+#                                    # simulated world 8 (6.7B and 0.94B GPT), main against the package in .before
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -72,6 +74,17 @@ if [[ $what == profile ]]; then
     timeout -k 5 150 python3 bench/step_breakdown.py --sim-world $w $big --systems z3ext,fsdp2 --steps 5 2>&1 |
       tee "$LOG/step-6.7B-w$w.log" | grep -v Warning | tail -22
   done
+fi
+if [[ $what == step-ab ]]; then
+  python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -3
+  big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
+  for shape in "$big" ""; do
+    for src in "" "$PWD/.before"; do
+      echo "## step phases, simulated world 8, ${shape:-0.94B default shape}, package: ${src:-main}"
+      PYTHONPATH=/tmp/site:${src:+$src:}$PWD timeout -k 5 150 python3 bench/step_breakdown.py --sim-world 8 $shape \
+        --systems z3ext,fsdp2 --steps 5 2>&1 | grep -v Warning | tail -17
+    done
+  done 2>&1 | tee "$LOG/step-ab.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
