@@ -220,7 +220,8 @@ class Z3extCoordinator:
 
     def release_and_reset_all(self, module):
         """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released
-        (the step rewrites partitions: a full parameter kept across it would be stale)."""
+        (the step rewrites partitions: a full parameter kept across it would be stale), but persistent
+        parameters, kept gathered and re-gathered in place by their next claim."""
         self.state.engine.sweep_step(claims.STEP_KINDS)  # [Note: persistent refresh] in csrc/engine.h
         self.backward_claims.forget_all()
         if self.state.config.leak_check:
