@@ -161,7 +161,9 @@ class GatherEngine {
   // claim of it (that `_post_step` gather, or a forward when the step was skipped) re-gathers it into
   // the same storage with the other stale ones, in one collective, without a new `.data` or
   // `ds_status`; in a world of one its `.data` views the partition and is never stale. Nothing reads
-  // it between the step's sweep and that claim but the step, which reads partitions. With a
+  // it between the step's sweep and that claim but the step, which reads partitions. Only the step's
+  // sweep (coordinator `optimizer_step`): DeepSpeed's other releases of everything (a checkpoint's save
+  // or load) drop Persist as stock does, whose module state saved there is partitioned. With a
   // partition-residency hook (NVMe) the Persist claims are dropped as stock drops them.
   int64_t sweep_step(const std::vector<ClaimKind>& kinds) {
     if (residency_) {

@@ -25,6 +25,9 @@ FORWARD_START_KINDS = (FORWARD, DIRECT, FALLBACK)
 # partitions: a full parameter kept across it would be stale) and persistence, whose parameters stay
 # gathered and are re-gathered in place (engine.sweep_step, [Note: persistent refresh] in csrc/engine.h).
 STEP_KINDS = FORWARD_START_KINDS + (BACKWARD, )
+# What DeepSpeed's other releases of everything end (a checkpoint's save or load, an emptied partition
+# cache): persistence too, as stock, whose module state saved there is partitioned.
+RESET_KINDS = STEP_KINDS + (PERSIST, )
 
 
 class ClaimError(Z3extError, RuntimeError):

@@ -4,6 +4,7 @@ It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same int
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
 parameters form one fetch unit: one C++ call claims and gathers it, one call releases it.
 """
+import contextlib
 import functools
 
 import torch
@@ -48,6 +49,7 @@ class Z3extCoordinator:
         self._last_warning = None
         self._fwd, self._bwd = claims.FORWARD, claims.BACKWARD
         self.backward_claims = BackwardClaims(state.engine)
+        self._in_step = False  # inside the optimizer's step (optimizer_step)
 
     # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):
@@ -218,11 +220,25 @@ class Z3extCoordinator:
                 del running[i:]
                 return
 
+    @contextlib.contextmanager
+    def optimizer_step(self):
+        """The stage-3 optimizer's step runs inside (seams.py): its release of everything keeps the
+        persistent parameters gathered ([Note: persistent refresh] in csrc/engine.h)."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
     def release_and_reset_all(self, module):
-        """Optimizer step or checkpoint: everything but live GatheredParameters blocks is released
-        (the step rewrites partitions: a full parameter kept across it would be stale), but persistent
-        parameters, kept gathered and re-gathered in place by their next claim."""
-        self.state.engine.sweep_step(claims.STEP_KINDS)  # [Note: persistent refresh] in csrc/engine.h
+        """Optimizer step, checkpoint, emptied partition cache: everything but live GatheredParameters
+        blocks is released (the step rewrites partitions: a full parameter kept across it would be
+        stale); in the step, persistent parameters stay gathered and are re-gathered in place by their
+        next claim."""
+        if self._in_step:
+            self.state.engine.sweep_step(claims.STEP_KINDS)  # [Note: persistent refresh] in csrc/engine.h
+        else:
+            self.state.engine.sweep(claims.RESET_KINDS)
         self.backward_claims.forget_all()
         if self.state.config.leak_check:
             self.state.check_leaks("at the optimizer step")

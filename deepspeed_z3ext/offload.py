@@ -9,7 +9,7 @@ from deepspeed.utils import log_dist
 from deepspeed_z3ext import hooks, swap
 from deepspeed_z3ext.config import param_dict_of, parse_section
 from deepspeed_z3ext.coordinator import Z3extCoordinator
-from deepspeed_z3ext.state import Z3extState
+from deepspeed_z3ext.state import Z3extState, of_optimizer
 
 
 def new_offload(ds_config):
@@ -22,6 +22,20 @@ def new_offload(ds_config):
     obj = object.__new__(Z3extZeRoOffload)
     obj._z3ext_pending_config = cfg
     return obj
+
+
+def optimizer_step(stock):
+    """`DeepSpeedZeroOptimizer_Stage3.step` inside the coordinator's `optimizer_step` ([Note: persistent
+    refresh] in csrc/engine.h); stock's own for an optimizer of no z3ext engine."""
+    def step(self, *args, **kwargs):
+        state = of_optimizer(self)
+        coordinator = state.coordinator if state is not None else None
+        if coordinator is None:
+            return stock(self, *args, **kwargs)
+        with coordinator.optimizer_step():
+            return stock(self, *args, **kwargs)
+
+    return step
 
 
 class Z3extZeRoOffload(DeepSpeedZeRoOffload):

@@ -97,6 +97,9 @@ def _table():
              "the backward's end flushes z3ext's gradient bucket before DeepSpeed's epilogue"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_pre_step", grads.pre_step,
              "the step drops gradients never reduced, as DeepSpeed clears its buckets there"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "step", offload.optimizer_step,
+             "the step's release of everything keeps persistent parameters gathered, re-gathered in place "
+             "after it ([Note: persistent refresh])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_post_step", grads.post_step,
              "with z3ext.free_grad_partitions, the gradient partitions are freed until the next flush"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "offload_states", grads.offload_states,

@@ -26,6 +26,7 @@ SEAMS = [  # (module, class, attribute): what seams.py replaces
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "independent_gradient_partition_epilogue"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_pre_step"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_post_step"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "step"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "offload_states"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads"),
