@@ -57,8 +57,9 @@ of that buffer instead: the same values, no copy. The view is given only when th
 (`unscale_and_clip_grads`: `grad.mul_(1 / combined_scale)`) multiplies by exactly 1 (no loss scale,
 and clipping configured off or not triggered: z3ext evaluates stock's clip coefficient from the
 norm the step stashed), and a scaled copy otherwise ([Note: fused unscale]): that in-place multiply
-would change the buffer itself, which holds what stock reuses for a parameter that gets no gradient in the next window (an optimizer that
-edits `.grad` in place would edit it too; torch's Adam, AdamW and SGD do not). An unscale that
+would change the buffer itself, which holds what stock reuses for a parameter that gets no gradient
+in the next window (an optimizer that edits `.grad` in place would edit it too; torch's Adam, AdamW
+and SGD do not). An unscale that
 multiplies by exactly 1 is not run at all (it would rewrite every gradient element with itself). A
 buffer of another dtype than the master weights (bf16 gradient accumulation) is converted in one copy
 (stock: a flat copy, then its conversion). With Muon, or partitions that are not consecutive views (a
