@@ -46,7 +46,8 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # DeepSpeed's defaults for stock and z3ext; for FSDP2 and unsharded, what a process that ran zero.Init
 # gets. Optional: "z3ext-nohold" (hold_for_backward off: re-gathers in backward), "z3ext-nopool"
 # (pool_budget_mb 0: released buffers go back to torch's allocator), "z3ext-dsgrads" (gradients reduced
-# by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext@N" (the sweep).
+# by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext-nogroups" (one fetch unit per
+# module: z3ext.fetch_group_numel 0), "z3ext@N" (the sweep).
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -162,9 +163,10 @@ def build_system(name, a, device):
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
-    # (z3ext.free_grad_partitions: gradient partitions freed between steps)
+    # (z3ext.free_grad_partitions: gradient partitions freed between steps), nogroups (z3ext.fetch_group_numel
+    # 0: one fetch unit per module, [Note: fetch groups])
     base, *variants = name.split("-")
-    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads")]
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     mel = "mel" in variants
@@ -178,6 +180,8 @@ def build_system(name, a, device):
             options["reduce_gradients"] = False
         if "freegrads" in variants:
             options["free_grad_partitions"] = True
+        if "nogroups" in variants:
+            options["fetch_group_numel"] = 0
         cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)

@@ -39,6 +39,11 @@ class Z3extConfig(BaseModel):
     """Elements one forward's graph holds for its backward at most (DeepSpeed's default prefetch bucket:
     as much as backward prefetch gathers ahead). Larger trades memory for fewer re-gathers."""
 
+    fetch_group_numel: Optional[StrictInt] = Field(None, ge=0)
+    """Largest fetch group: the modules of one repeated block (a transformer layer) fetched as one unit
+    in the forward ([Note: fetch groups] in groups.py). Default: stage3_max_live_parameters / 2; 0: one
+    unit per module. Off as well with stage3_max_reuse_distance 0."""
+
     plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many
     forwards; 0 (default) never warns (prefetch just degrades for that forward)."""

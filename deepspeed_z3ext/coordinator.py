@@ -10,7 +10,7 @@ import functools
 import torch
 from deepspeed.utils import logger
 
-from deepspeed_z3ext import claims
+from deepspeed_z3ext import claims, groups
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
@@ -19,7 +19,8 @@ from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
 class Z3extCoordinator:
 
-    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None):
+    def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None,
+                 group_max_numel=None):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -50,6 +51,10 @@ class Z3extCoordinator:
         self._fwd, self._bwd = claims.FORWARD, claims.BACKWARD
         self.backward_claims = BackwardClaims(state.engine)
         self._in_step = False  # inside the optimizer's step (optimizer_step)
+        # [Note: fetch groups] in groups.py: formed when the first plan is adopted
+        self._group_max = max_live_numel // 2 if group_max_numel is None else group_max_numel
+        self._groups_formed = False
+        self._covered = {}  # id(member) -> its open FetchGroup
 
     # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):
@@ -85,14 +90,63 @@ class Z3extCoordinator:
         if not in_backward():
             _clean_module_stack()
             self._running.clear()
+            self._close_all_groups()
             self.backward_window.reset()
             if self.state.grad_reducer:
                 self.state.grad_reducer.abandon_pass()  # [Note: failed pass] in grads.py
         self.window.reset()
         self._warn_divergence()
         self.plan = self.plans[torch.is_grad_enabled()]
+        recorded = self.plan.order
         self.plan.start_forward()
+        if self.plan.order is not recorded:
+            self._adopted(self.plan)
         self._forwards += 1
+
+    def _adopted(self, plan):
+        """`plan` took a new order: the first one forms the groups ([Note: fetch groups]); each one
+        sees a group's members as its owner."""
+        state = self.state
+        if not self._groups_formed:
+            self._groups_formed = True
+            state.groups = groups.form(plan.order, plan.spans, state.module, self._group_max,
+                                       lambda m: state.unit_for(m).numel)
+            for p in self.plans.values():
+                p.spans = {}
+                p.order = groups.collapse(p.order, state.groups)
+        else:
+            plan.order = groups.collapse(plan.order, state.groups)
+
+    def open_group_of(self, module):
+        """The open group `module` is the owner or a member of, or None."""
+        group = self._covered.get(id(module))
+        if group is None and self.state.groups:
+            group = self.state.groups.get(id(module))
+        return group if group is not None and group.open else None
+
+    def _open(self, group, unit):
+        """The owner's forward fetched the group: its members are covered, and a grad-enabled forward
+        decides now whether the group will be held, or its members take their own backward claims."""
+        group.open = True
+        self._covered.update(dict.fromkeys(group.member_ids, group))
+        claim = False
+        if torch.is_grad_enabled() and not in_backward():
+            g = self.backward_claims.open
+            held = g is not None and id(group.owner) in g.held
+            claim = not (self._hold_enabled and (held or (
+                self.state.engine.live_numel <= self._max_live and
+                (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max)))
+        group.members_claim = claim
+
+    def _close(self, group):
+        group.open = False
+        for key in group.member_ids:
+            self._covered.pop(key, None)
+
+    def _close_all_groups(self):
+        self._covered.clear()
+        for group in self.state.groups.values():
+            group.open = False
 
     def _warn_divergence(self):
         plan, n = self.plan, self._warn_every
@@ -109,19 +163,28 @@ class Z3extCoordinator:
 
     def fetch_sub_module(self, sub_module, forward):
         state = self.state
-        unit = state.unit_for(sub_module)
         if not forward:
-            state.engine.unshard(unit, self._bwd, sub_module.ds_id)
+            state.engine.unshard(state.unit_for(sub_module), self._bwd, sub_module.ds_id)
             return
         self._running.append(sub_module)
+        if self._covered and id(sub_module) in self._covered:
+            return  # its group's owner fetched it ([Note: fetch groups])
+        plan = self.plan
+        if plan.recording:
+            plan.enter(sub_module)
+        unit = state.unit_for(sub_module)
         if not len(unit):
             # A module without parameters (the root, a block) starts the window when nothing is
             # ahead: prefetch begins before the first module with parameters.
-            if self.window.enabled and self.window.empty() and self.plan.cursor < len(self.plan.order):
-                self._prefetch(self.plan.cursor)
+            if self.window.enabled and self.window.empty() and plan.cursor < len(plan.order):
+                self._prefetch(plan.cursor)
             return
-        pos = self.plan.observe(sub_module)
+        pos = plan.observe(sub_module)
         state.engine.unshard(unit, self._fwd, sub_module.ds_id)
+        if state.groups:
+            group = state.groups.get(id(sub_module))
+            if group is not None:
+                self._open(group, unit)
         if pos is not None and self.window.enabled:
             self._prefetch(pos)
 
@@ -142,14 +205,32 @@ class Z3extCoordinator:
         early): its Forward claim is dropped or becomes a Backward claim ([Note: graph claims]).
         `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
         self._pop_running(sub_module)
-        unit = self.state.unit_for(sub_module)  # checked: an external discovered in this forward joins
+        state = self.state
+        if self._covered:
+            group = self._covered.get(id(sub_module))
+            if group is not None:  # a member of an open group ([Note: fetch groups])
+                if group.members_claim and grad_enabled and not raised and any(t.requires_grad for t in outputs):
+                    claim_per_call(self, sub_module, self.backward_claims.new_token(), args, outputs, gathered=False)
+                    self.backward_window.released(sub_module)
+                return
+        if self.plan.recording:
+            self.plan.leave(sub_module)
+        group = state.groups.get(id(sub_module)) if state.groups else None
+        if group is not None and group.open:
+            self._close(group)
+            unit = state.unit_for(sub_module, checked=group.dirty)
+        else:
+            group = None
+            unit = state.unit_for(sub_module)  # checked: an external discovered in this forward joins
         phase = forward_phase()
         if len(unit):
             if not grad_enabled or raised or not any(t.requires_grad for t in outputs):
                 # No output needs grad (or no grad, or it raised): its backward cannot run.
-                self.state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
+                state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
             elif phase is Phase.RECOMPUTE:
                 self._recomputed(sub_module, unit, args, outputs)
+            elif group is not None and group.members_claim:  # each member took its backward claim
+                state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
             else:
                 self._hold(sub_module, unit, args, outputs)
         if not self._running and phase is Phase.FORWARD:

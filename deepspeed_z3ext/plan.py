@@ -37,6 +37,10 @@ class ForwardPlan:
         self.divergence: Optional[Divergence] = None  # this forward's first divergence
         self.diverged_forwards = 0
         self.resyncs = 0
+        self.recording = True
+        # id(module) -> [module, len(observed) at its first forward's start, at its end]: where each
+        # module's first forward sits in the recorded order ([Note: fetch groups] in groups.py)
+        self.spans = {}
 
     def start_forward(self):
         """An outermost forward starts: the previous one's order becomes the plan if it was the
@@ -46,9 +50,20 @@ class ForwardPlan:
                 self.resyncs += 1
             self.order = self.observed
             self.state = PlanState.REPLAYING
+            self.recording = False
         self.observed = []
         self.cursor = 0
         self.divergence = None
+
+    def enter(self, module):
+        """While recording: a module's forward starts."""
+        self.spans.setdefault(id(module), [module, len(self.observed), None])
+
+    def leave(self, module):
+        """While recording: a module's forward ends."""
+        span = self.spans.get(id(module))
+        if span is not None and span[2] is None:
+            span[2] = len(self.observed)
 
     def observe(self, module) -> Optional[int]:
         """Called at each forward fetch of a non-empty unit; returns the plan position after this

@@ -77,7 +77,8 @@ class Z3extState:
         self.engine = ops().GatherEngine(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
         if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
             self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size())
-        self._units = {}  # module ds_id -> (n external params, FetchUnit)
+        self._units = {}  # id(module) -> (key, FetchUnit, its own parameters)
+        self.groups = {}  # id(owner module) -> groups.FetchGroup ([Note: fetch groups])
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
         self.grad_reducer = None  # grads.GradReducer at the first gradient, False: DeepSpeed's path
@@ -116,7 +117,15 @@ class Z3extState:
     def unit_for(self, module, checked=True):
         """The fetch unit of a module: its direct (or, for a z3 leaf, all) and external parameters.
         `checked=False` (the prefetch path, which reads every upcoming unit) trusts the cached unit: the
-        module's own fetch checks it and gathers what a stale prefetch missed."""
+        module's own fetch checks it and gathers what a stale prefetch missed. A group's owner: the
+        union of its members' units ([Note: fetch groups])."""
+        if self.groups:
+            group = self.groups.get(id(module))
+            if group is not None:
+                return self._group_unit(group, checked)
+        return self._module_unit(module, checked)
+
+    def _module_unit(self, module, checked):
         if not checked:
             cached = self._units.get(id(module))
             if cached is not None:
@@ -138,9 +147,25 @@ class Z3extState:
         self._units[id(module)] = (key, unit, own)
         return unit
 
+    def _group_unit(self, group, checked):
+        if not checked and group.unit is not None:
+            return group.unit
+        # The owner's own unit: no parameters of its own, but externals its forward may discover.
+        units = [self._module_unit(group.owner, True)] + [self._module_unit(m, True) for m in group.members]
+        if group.unit is None or any(u is not c for u, c in zip(units, group.member_units)):
+            group.unit = ops().FetchUnit([h for u in units for h in u.handles])
+            group.member_units = units
+        group.dirty = False
+        return group.unit
+
     def discover_external(self, module, param):
         """Claims `param` for `module`'s running forward ([Note: external discovery]); the module's
-        release drops the claim, as its unit (rebuilt with the new external) now holds the parameter."""
+        release drops the claim, as its unit (rebuilt with the new external) now holds the parameter.
+        Inside an open group, for the group's owner, whose release rebuilds the group with it."""
+        group = self.coordinator.open_group_of(module) if self.coordinator is not None else None
+        if group is not None:
+            group.dirty = True
+            module = group.owner
         self.engine.unshard(self.unit_of([param]), claims.FORWARD, module.ds_id)
 
     def destroy(self):
@@ -154,6 +179,7 @@ class Z3extState:
                 delattr(p, STATE_ATTR)
         self.params = []
         self._units.clear()
+        self.groups = {}
         self.coordinator = None
         self.grad_reducer = None
 

@@ -20,6 +20,7 @@ class Z3extStats(NamedTuple):
     refilled_params: int = 0        # gathers into a storage a previous gather made (views of it valid again)
     backward_prefetched: int = 0    # units gathered ahead of their module's backward ([Note: backward prefetch])
     refreshed_params: int = 0       # persistent parameters re-gathered in place after a step ([Note: persistent refresh])
+    fetch_groups: int = 0           # modules fetching their block's units as one ([Note: fetch groups])
 
 
 def state_of(engine):
@@ -51,6 +52,7 @@ def stats(engine) -> Z3extStats:
                       pool_cached_bytes=0, pool_budget_bytes=0, pool_reused=0, pool_orphaned=0,
                       refilled_params=s["refilled"], refreshed_params=s["refreshed"],
                       backward_prefetched=state.coordinator.backward_window.gathered_ahead if state.coordinator else 0,
+                      fetch_groups=len(state.groups),
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
 

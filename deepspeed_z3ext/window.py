@@ -5,8 +5,9 @@ and of modules released after their forward gathered ahead of their backward.
 ahead, in one collective per batch, claimed for those modules' forwards, without making the compute
 stream wait ([Note: deferred wait]); the elements gathered ahead and not yet reached stay within
 stage3_prefetch_bucket_size (and the engine's live elements plus those ahead within
-stage3_max_live_parameters). A unit larger than the window is fetched by its module. The window
-refills only once half of it has been reached: a full batch per collective (host time per
+stage3_max_live_parameters). A unit larger than the window (a fetch group, [Note: fetch groups],
+or a large embedding) is gathered ahead alone, when nothing else is ahead, within the live budget.
+The window refills only once half of it has been reached: a full batch per collective (host time per
 collective is what a host-bound forward pays), while the rest still overlaps compute.
 [Note: batch size] A batch under half the window, cut short by the window while two or more units
 are still ahead, waits for a later module: the next module's unit is gathered and the one after it
@@ -63,8 +64,8 @@ class PrefetchWindow:
         while i < len(order):
             unit = unit_for(order[i])
             n = unit.numel  # a C++ loop over the unit's handles: read once
-            if numel + n > room:
-                break
+            if numel + n > room and (units or self._ahead or n > live_room):
+                break  # else a unit larger than the window, gathered ahead alone
             units.append(unit)
             owners.append(order[i].ds_id)
             taken.append((i, n))

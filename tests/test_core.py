@@ -350,8 +350,9 @@ def batch_size_case():
     for name in ("stock", "z3ext"):
         # Units per block (hidden 32, persistence 0): ln1 64, qkv 3168, proj 1056, ln2 64, fc1 4224,
         # fc2 4128 elements, against a window of 10000: the GPT's proportions at a 5e7 window.
-        cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1,
-                        zero_extra={"stage3_prefetch_bucket_size": 10000})
+        # One unit per module ([Note: fetch groups] off): the rule is about units smaller than the window.
+        cfg = ds_config(z3ext={"enabled": True, "fetch_group_numel": 0} if name == "z3ext" else False, persistence=0,
+                        ga=1, zero_extra={"stage3_prefetch_bucket_size": 10000})
         eng = build_engine(cfg, model_fn=lambda: TinyGPT(layers=4))
         out[name], per_forward = train_counting_collectives(eng, 4, name == "z3ext")
         out[name + "_params"] = full_params(eng)
@@ -369,6 +370,63 @@ def test_small_batches_wait_while_two_units_are_ahead():
         assert r["stock"] == r["z3ext"] and r["params_equal"], r
         assert r["units"] == 28 and r["per_forward"][0] == 28, r
         assert r["per_forward"][1:] == [10, 10, 10], r
+
+
+# ----------------------------------------------------------------------------- fetch groups
+def fetch_groups_case():
+    import deepspeed_z3ext
+    from tests.models import TinyGPT, build_engine, ds_config, full_params
+    variants = {
+        "stock": False,
+        "groups": {"enabled": True},
+        "groups-nohold": {"enabled": True, "hold_for_backward": False},
+        "groups-members-claim": {"enabled": True, "hold_max_numel": 1},  # held: nothing but tiny units
+        "nogroups": {"enabled": True, "fetch_group_numel": 0},
+    }
+    out = {}
+    for name, z3ext in variants.items():
+        eng = build_engine(ds_config(z3ext=z3ext, persistence=0, ga=1), model_fn=lambda: TinyGPT(layers=4))
+        model, plan = eng.module, []
+
+        def before_step(step):
+            if step == 3 and z3ext:
+                plan.extend(type(m).__name__ for m in eng.optimizer.parameter_offload.param_coordinator.plans[True].order)
+            model.skip = (1, ) if step == 3 else ()  # a block skipped: the plan diverges at a group
+
+        out[name], per_forward = train_counting_collectives(eng, 5, bool(z3ext), before_step)
+        out[name + "_params"] = full_params(eng)
+        if z3ext:
+            coord = eng.optimizer.parameter_offload.param_coordinator
+            out[name + "_groups"] = deepspeed_z3ext.stats(eng).fetch_groups
+            out[name + "_plan"] = plan
+            out[name + "_resyncs"] = coord.plans[True].resyncs
+            out[name + "_per_forward"] = per_forward
+            out[name + "_bwd_prefetched"] = deepspeed_z3ext.stats(eng).backward_prefetched
+            out[name + "_leaks"] = eng.optimizer.parameter_offload.z3ext.engine.stale_references()
+    stock = out.pop("stock_params")
+    for name in variants:
+        if name != "stock":
+            out[name + "_equal"] = params_equal(stock, out.pop(name + "_params"))
+    return out
+
+
+def test_fetch_groups_one_unit_per_block():
+    """[Note: fetch groups]: each block of TinyGPT becomes one fetch unit after the first forward; a
+    block's members run without fetching. Held, not held, or held only in part (members re-gathered
+    one by one for backward), and through a forward that skips a block: the same losses and final
+    parameters as stock, bitwise; one unit per module when off."""
+    for r in run_on_ranks(fetch_groups_case):
+        for name in ("groups", "groups-nohold", "groups-members-claim", "nogroups"):
+            assert r[name] == r["stock"] and r[name + "_equal"], (name, r)
+            assert not r[name + "_leaks"], (name, r)
+        for name in ("groups", "groups-nohold", "groups-members-claim"):
+            assert r[name + "_groups"] == 4, (name, r)
+            assert r[name + "_plan"] == ["TinyGPT", "Embedding"] + ["Block"] * 4 + ["LayerNorm", "Linear"], (name, r)
+        assert r["nogroups_groups"] == 0 and len(r["nogroups_plan"]) == 28, r
+        # Members not held take their own backward claims: backward gathers them ahead, member by member.
+        assert r["groups-nohold_bwd_prefetched"] > 0 and r["groups-members-claim_bwd_prefetched"] > 0, r
+        assert r["groups_bwd_prefetched"] == 0, r
+        assert r["groups_resyncs"] == 1, r  # the skipping forward's order, adopted by the next forward
 
 
 # ----------------------------------------------------------------------------- world of one
