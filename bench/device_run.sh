@@ -106,10 +106,15 @@ if [[ $what == simworld ]]; then
   budget=${SIM_BUDGET:-570}
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}  # SIM_BIG, SIM_EXTRA: CPU dry runs
   results=()
-  for run in "0.94B 8" "6.7B 8" "6.7B 64" "0.94B 64"; do
+  # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups")
+  IFS=';' read -ra runs <<< "${SIM_RUNS:-0.94B 8;6.7B 8;6.7B 64;0.94B 64}"
+  for run in "${runs[@]}"; do
     set -- $run
     if [[ $1 == 6.7B ]]; then shape=$big systems=stock-mel,fsdp2,z3ext,z3ext-nohold
+    elif [[ $1 == narrow ]]; then shape="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+      systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
     else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
+    systems+=${SIM_ADD:-}
     json=bench/out/sim-$1-w$2.json; results+=("$json")
     left=$((budget - SECONDS))
     if ((left < 45)); then echo "# skipped $1 at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi

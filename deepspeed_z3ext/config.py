@@ -42,7 +42,7 @@ class Z3extConfig(BaseModel):
     fetch_group_numel: Optional[StrictInt] = Field(None, ge=0)
     """Largest fetch group: the modules of one repeated block (a transformer layer) fetched as one unit
     in the forward ([Note: fetch groups] in groups.py). Default: stage3_max_live_parameters / 2; 0: one
-    unit per module. Off as well with stage3_max_reuse_distance 0."""
+    unit per module. Off as well with stage3_max_reuse_distance 0 and with NVMe parameter offload."""
 
     plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many

@@ -11,6 +11,7 @@ import torch
 from deepspeed.utils import logger
 
 from deepspeed_z3ext import claims, groups
+from deepspeed_z3ext.groups import MemberClaims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
@@ -126,17 +127,24 @@ class Z3extCoordinator:
 
     def _open(self, group, unit):
         """The owner's forward fetched the group: its members are covered, and a grad-enabled forward
-        decides now whether the group will be held, or its members take their own backward claims."""
+        decides now whether the group will be held whole, or each member is held or takes its own
+        backward claim ([Note: hold for backward])."""
         group.open = True
         self._covered.update(dict.fromkeys(group.member_ids, group))
-        claim = False
-        if torch.is_grad_enabled() and not in_backward():
+        claims_ = MemberClaims.NONE
+        if not torch.is_grad_enabled():
+            pass
+        elif in_backward():
+            if not self.backward_claims.held_by_graph(group.owner):
+                claims_ = MemberClaims.RECOMPUTE
+        else:
             g = self.backward_claims.open
             held = g is not None and id(group.owner) in g.held
-            claim = not (self._hold_enabled and (held or (
-                self.state.engine.live_numel <= self._max_live and
-                (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max)))
-        group.members_claim = claim
+            if not (self._hold_enabled and (held or (
+                    self.state.engine.live_numel <= self._max_live and
+                    (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max))):
+                claims_ = MemberClaims.FORWARD
+        group.member_claims = claims_
 
     def _close(self, group):
         group.open = False
@@ -209,9 +217,13 @@ class Z3extCoordinator:
         if self._covered:
             group = self._covered.get(id(sub_module))
             if group is not None:  # a member of an open group ([Note: fetch groups])
-                if group.members_claim and grad_enabled and not raised and any(t.requires_grad for t in outputs):
-                    claim_per_call(self, sub_module, self.backward_claims.new_token(), args, outputs, gathered=False)
-                    self.backward_window.released(sub_module)
+                mode = group.member_claims
+                if mode is not MemberClaims.NONE and grad_enabled and not raised and any(t.requires_grad for t in outputs):
+                    unit = state.unit_for(sub_module, checked=False)
+                    if mode is MemberClaims.FORWARD:
+                        self._hold_or_claim(sub_module, unit, args, outputs)
+                    else:
+                        self._claim_recomputed(sub_module, unit, args, outputs)
                 return
         if self.plan.recording:
             self.plan.leave(sub_module)
@@ -227,17 +239,23 @@ class Z3extCoordinator:
             if not grad_enabled or raised or not any(t.requires_grad for t in outputs):
                 # No output needs grad (or no grad, or it raised): its backward cannot run.
                 state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
+            elif group is not None and group.member_claims is not MemberClaims.NONE:  # each member has its own
+                state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
             elif phase is Phase.RECOMPUTE:
                 self._recomputed(sub_module, unit, args, outputs)
-            elif group is not None and group.members_claim:  # each member took its backward claim
-                state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
             else:
                 self._hold(sub_module, unit, args, outputs)
         if not self._running and phase is Phase.FORWARD:
             self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
 
     def _hold(self, module, unit, args, outputs):
-        engine, owner, graphs = self.state.engine, module.ds_id, self.backward_claims
+        self._hold_or_claim(module, unit, args, outputs)
+        self.state.engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
+
+    def _hold_or_claim(self, module, unit, args, outputs):
+        """The gathered `unit` of a grad-enabled call of `module` is held for the graph's backward, or
+        the call takes a claim that gathers it again for its backward."""
+        engine, graphs = self.state.engine, self.backward_claims
         if self._hold_enabled:
             g, key = graphs.graph(), id(module)
             held = key in g.held
@@ -246,9 +264,7 @@ class Z3extCoordinator:
                 if not held:
                     g.held.add(key)
                     g.held_numel += unit.numel
-                engine.reshard(unit, self._fwd, owner, also_direct=True)
                 return
-        engine.reshard(unit, self._fwd, owner, also_direct=True)
         claim_per_call(self, module, graphs.new_token(), args, outputs, gathered=False)
         self.backward_window.released(module)
 
@@ -260,13 +276,16 @@ class Z3extCoordinator:
         fail its metadata check. Reentrant checkpointing backpropagates the recomputed graph at once:
         the module's input hooks drop the claim after its backward; otherwise the pass's end does.
         A module a graph already holds (non-reentrant, held in the original forward) needs nothing."""
-        engine, graphs = self.state.engine, self.backward_claims
+        self._claim_recomputed(module, unit, args, outputs)
+        self.state.engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
+
+    def _claim_recomputed(self, module, unit, args, outputs):
+        graphs = self.backward_claims
         if not graphs.held_by_graph(module):
             token = graphs.new_token()
-            engine.unshard(unit, self._bwd, token)
+            self.state.engine.unshard(unit, self._bwd, token)
             graphs.on_pass_end(token)
             claim_per_call(self, module, token, args, outputs, gathered=True)
-        engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def fetch_for_backward(self, module, token):
         """A module that was not held: its backward is about to run (tensor hook on its outputs). The

@@ -13,19 +13,30 @@ units its forward fetched, when
 - no module around it qualifies (the outermost wins).
 From then on M's forward claims, gathers, holds or releases the group as any module's unit, and
 the prefetch window sees it as one position. The members' own hooks keep DeepSpeed's module stack,
-the input boundary ([Note: input boundary]) and, for a group that is not held, each member's own
-backward claim ([Note: hold for backward]): backward re-gathers member by member as without
-groups, so backward's peak does not grow. A member that runs outside its owner's forward fetches
+the input boundary ([Note: input boundary]) and, for a group not held whole, each member's own
+hold or backward claim ([Note: hold for backward]): backward holds and re-gathers member by member
+as without groups, so backward's peak does not grow. In an activation-checkpoint recomputation each
+member takes its own claim, as without groups: non-reentrant checkpointing stops a recomputation
+inside the last module it needs, whose owner's release (an exception) must not release the members
+that ran before it, whose saved parameters backward still checks. A member that runs outside its owner's forward fetches
 its own unit; one whose parameters changed (late parameters) rebuilds the group at the owner's next
 fetch, and an external parameter discovered inside the group is claimed for the owner and joins it.
 """
+import enum
 from typing import Dict
 
 from deepspeed.utils import z3_leaf_module
 
 
+class MemberClaims(enum.Enum):
+    """Who keeps a group's members gathered past the owner's forward, decided when it opens."""
+    NONE = 1       # the group as a whole: released, held ([Note: hold for backward]) or recomputed
+    FORWARD = 2    # a grad-enabled forward of a group not held whole: each member is held or claims its backward
+    RECOMPUTE = 3  # a recomputation inside backward: each member stays claimed until its own backward
+
+
 class FetchGroup:
-    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "members_claim", "dirty")
+    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -34,7 +45,7 @@ class FetchGroup:
         self.unit = None                # the union FetchUnit (Z3extState.unit_for)
         self.member_units = ()          # the member units it was built from
         self.open = False               # the owner's forward is running
-        self.members_claim = False      # this forward: members take their own backward claims
+        self.member_claims = MemberClaims.NONE
         self.dirty = False              # an external parameter joined inside the group
 
 

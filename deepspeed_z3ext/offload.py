@@ -54,10 +54,16 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
         # and fetch it again for backward: z3ext honours it by not holding for backward.
         hold = z3ext_config.hold_for_backward and self._max_reuse_distance_in_numel > 0
+        # No fetch groups ([Note: fetch groups]) where a block gathered at once is not what was asked:
+        # stage3_max_reuse_distance 0 releases each module right after it, and NVMe offload sizes its
+        # swap buffers (offload_param.buffer_count) for a module's partitions, not a block's.
+        group_max = z3ext_config.fetch_group_numel
+        if self._max_reuse_distance_in_numel <= 0 or self.z3ext.engine.residency is not None:
+            group_max = 0
         self.param_coordinator = Z3extCoordinator(self.z3ext, self._max_available_parameters_in_numel,
                                                   self._prefetch_bucket_sz, hold_for_backward=hold,
                                                   hold_max_numel=z3ext_config.hold_max_numel,
-                                                  group_max_numel=z3ext_config.fetch_group_numel if self._max_reuse_distance_in_numel > 0 else 0)
+                                                  group_max_numel=group_max)
         self.z3ext.coordinator = self.param_coordinator
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])

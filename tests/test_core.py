@@ -380,7 +380,7 @@ def fetch_groups_case():
         "stock": False,
         "groups": {"enabled": True},
         "groups-nohold": {"enabled": True, "hold_for_backward": False},
-        "groups-members-claim": {"enabled": True, "hold_max_numel": 1},  # held: nothing but tiny units
+        "groups-partial-hold": {"enabled": True, "hold_max_numel": 5000},  # a block: 12.7K elements
         "nogroups": {"enabled": True, "fetch_group_numel": 0},
     }
     out = {}
@@ -416,15 +416,15 @@ def test_fetch_groups_one_unit_per_block():
     one by one for backward), and through a forward that skips a block: the same losses and final
     parameters as stock, bitwise; one unit per module when off."""
     for r in run_on_ranks(fetch_groups_case):
-        for name in ("groups", "groups-nohold", "groups-members-claim", "nogroups"):
+        for name in ("groups", "groups-nohold", "groups-partial-hold", "nogroups"):
             assert r[name] == r["stock"] and r[name + "_equal"], (name, r)
             assert not r[name + "_leaks"], (name, r)
-        for name in ("groups", "groups-nohold", "groups-members-claim"):
+        for name in ("groups", "groups-nohold", "groups-partial-hold"):
             assert r[name + "_groups"] == 4, (name, r)
             assert r[name + "_plan"] == ["TinyGPT", "Embedding"] + ["Block"] * 4 + ["LayerNorm", "Linear"], (name, r)
         assert r["nogroups_groups"] == 0 and len(r["nogroups_plan"]) == 28, r
         # Members not held take their own backward claims: backward gathers them ahead, member by member.
-        assert r["groups-nohold_bwd_prefetched"] > 0 and r["groups-members-claim_bwd_prefetched"] > 0, r
+        assert r["groups-nohold_bwd_prefetched"] > 0 and r["groups-partial-hold_bwd_prefetched"] > 0, r
         assert r["groups_bwd_prefetched"] == 0, r
         assert r["groups_resyncs"] == 1, r  # the skipping forward's order, adopted by the next forward
 

@@ -151,7 +151,7 @@ def ops_next_to_stock(steps=3):
                 mismatched=[n for n in ref_params if not torch.equal(ref_params[n], params[n])],
                 after_forward=after_forward, peak=st.peak_live_bytes, refilled=st.refilled_params,
                 max_unit_bytes=max(unit_bytes(m) for m in eng.module.modules() if m is not eng.module),
-                root_unit_bytes=root_bytes, live_after=st.live_bytes)
+                root_unit_bytes=root_bytes, live_after=st.live_bytes, fetch_groups=st.fetch_groups)
             eng.destroy()
     return {f"{'mel' if k[0] else 'nomel'}-{k[1]}": v for k, v in out.items()}
 
@@ -163,6 +163,8 @@ def test_every_op_bitwise_equal_to_stock_with_the_hold_on_off_and_partial():
             assert r["losses_equal"], f"rank {rank} {case}: losses differ:\n{r['losses']}\n{r['ref_losses']}"
             assert not r["mismatched"], f"rank {rank} {case}: parameters differ: {r['mismatched']}"
             assert r["live_after"] == 0, (rank, case, r["live_after"])
+            # The two Lora modules are fetch groups ([Note: fetch groups]), one recomputed by checkpoint.
+            assert r["fetch_groups"] == 2, (rank, case, r["fetch_groups"])
             if case.endswith("nohold"):
                 assert r["refilled"] > 0, f"{case}: no storage was re-filled: the path was not exercised"
             if case.endswith("partial"):

@@ -28,8 +28,9 @@ def main(argv):
         where = sim["note"] if sim else f"world {res['world']}"
         lines.append(f"\n### {shape(res['args'])}, {res['n_params'] / 1e9:.2f}B params: {where}")
         lines.append(f"(`{p.name}`, rounds {res['args']['rounds']} x steps {res['args']['steps']}, medians)\n")
-        lines.append("| system | step ms (fwd / bwd / opt) | peak MiB | params per rank | step / FSDP2 | peak / FSDP2 |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| system | step ms (fwd / bwd / opt) | tiny fwd ms | peak MiB | params per rank | step / FSDP2 | "
+                     "peak / FSDP2 |")
+        lines.append("|---|---|---|---|---|---|---|")
         f = s.get("fsdp2")
         for n, m in s.items():
             peak = f"{m['peak'] / 2**20:.0f}" if "peak" in m else "-"
@@ -37,10 +38,11 @@ def main(argv):
             if f and n != "fsdp2":
                 rs = f"{m['step'] / f['step']:.2f}"
                 rp = f"{m['peak'] / f['peak']:.2f}" if "peak" in m and "peak" in f else ""
-            lines.append(f"| {n} | {m['step']:.1f} ({m['fwd']:.1f} / {m['bwd']:.1f} / {m['opt']:.1f}) | {peak} | "
+            tiny = f"{m['tiny']:.2f}" if "tiny" in m else "-"
+            lines.append(f"| {n} | {m['step']:.1f} ({m['fwd']:.1f} / {m['bwd']:.1f} / {m['opt']:.1f}) | {tiny} | {peak} | "
                          f"{m.get('params_per_rank', 0) / 1e6:.2f}M | {rs} | {rp} |")
         for n, why in res.get("skipped", {}).items():
-            lines.append(f"| {n} | skipped: {why} | | | | |")
+            lines.append(f"| {n} | skipped: {why} | | | | | |")
     out.write_text(json.dumps(merged, indent=1))
     print("\n".join(lines))
 
