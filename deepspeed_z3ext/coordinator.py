@@ -2,7 +2,8 @@
 
 It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same interface, so
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
-parameters form one fetch unit: one C++ call claims and gathers it, one call releases it.
+parameters form one fetch unit, and in forward a repeated block's modules form one ([Note: fetch
+groups] in groups.py): one C++ call claims and gathers it, one call releases it.
 """
 import contextlib
 import functools
