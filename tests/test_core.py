@@ -373,8 +373,22 @@ def test_small_batches_wait_while_two_units_are_ahead():
 
 
 # ----------------------------------------------------------------------------- fetch groups
-def fetch_groups_case():
+def _stale_references(engine, wait_s=2.0):
+    """Released parameters whose storage something else still references, once garbage is collected
+    and the process group's completed work (which keeps its tensors until gloo's thread drops it) has
+    had up to `wait_s` to go."""
     import gc
+    import time
+    deadline = time.monotonic() + wait_s
+    while True:
+        gc.collect()
+        stale = engine.stale_references()
+        if not stale or time.monotonic() > deadline:
+            return stale
+        time.sleep(0.05)
+
+
+def fetch_groups_case():
     import deepspeed_z3ext
     from tests.models import TinyGPT, build_engine, ds_config, full_params
     variants = {
@@ -395,6 +409,8 @@ def fetch_groups_case():
             model.skip = (1, ) if step == 3 else ()  # a block skipped: the plan diverges at a group
 
         out[name], per_forward = train_counting_collectives(eng, 5, bool(z3ext), before_step)
+        if z3ext:
+            out[name + "_leaks"] = _stale_references(eng.optimizer.parameter_offload.z3ext.engine)
         out[name + "_params"] = full_params(eng)
         if z3ext:
             coord = eng.optimizer.parameter_offload.param_coordinator
@@ -403,8 +419,6 @@ def fetch_groups_case():
             out[name + "_resyncs"] = coord.plans[True].resyncs
             out[name + "_per_forward"] = per_forward
             out[name + "_bwd_prefetched"] = deepspeed_z3ext.stats(eng).backward_prefetched
-            gc.collect()  # a graph kept by a reference cycle holds views until collected
-            out[name + "_leaks"] = eng.optimizer.parameter_offload.z3ext.engine.stale_references()
     stock = out.pop("stock_params")
     for name in variants:
         if name != "stock":
