@@ -115,6 +115,7 @@ if [[ $what == simworld ]]; then
       systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
     else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
     systems+=${SIM_ADD:-}
+    for skip in ${SIM_SKIP:-}; do systems=${systems//$skip,/}; done  # SIM_SKIP: systems left out ("stock-mel")
     json=bench/out/sim-$1-w$2.json; results+=("$json")
     left=$((budget - SECONDS))
     if ((left < 45)); then echo "# skipped $1 at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi

@@ -47,7 +47,9 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # gets. Optional: "z3ext-nohold" (hold_for_backward off: re-gathers in backward), "z3ext-nopool"
 # (pool_budget_mb 0: released buffers go back to torch's allocator), "z3ext-dsgrads" (gradients reduced
 # by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext-nogroups" (one fetch unit per
-# module: z3ext.fetch_group_numel 0), "z3ext@N" (the sweep).
+# module: z3ext.fetch_group_numel 0), "z3ext-memberclaims" / "z3ext-blockclaims" (a block not held is
+# gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
+# "z3ext@N" (the sweep).
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -165,8 +167,10 @@ def build_system(name, a, device):
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
     # (z3ext.free_grad_partitions: gradient partitions freed between steps), nogroups (z3ext.fetch_group_numel
     # 0: one fetch unit per module, [Note: fetch groups])
-    base, *variants = name.split("-")
-    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups")]
+    # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
+    base, *variants = name.split("#")[0].split("-")
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups",
+                                                "memberclaims", "blockclaims")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     mel = "mel" in variants
@@ -182,6 +186,8 @@ def build_system(name, a, device):
             options["free_grad_partitions"] = True
         if "nogroups" in variants:
             options["fetch_group_numel"] = 0
+        if "memberclaims" in variants or "blockclaims" in variants:
+            options["fetch_group_claim_numel"] = 0 if "memberclaims" in variants else 10**12
         cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = make_model(a)

@@ -44,6 +44,11 @@ class Z3extConfig(BaseModel):
     in the forward ([Note: fetch groups] in groups.py). Default: stage3_max_live_parameters / 2; 0: one
     unit per module. Off as well with stage3_max_reuse_distance 0 and with NVMe parameter offload."""
 
+    fetch_group_claim_numel: Optional[StrictInt] = Field(None, ge=0)
+    """Largest fetch group gathered again for backward as one unit when it is not held; larger groups
+    are gathered member by member ([Note: group claims] in groups.py). Default: twice
+    stage3_prefetch_bucket_size; 0: always member by member."""
+
     plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many
     forwards; 0 (default) never warns (prefetch just degrades for that forward)."""

@@ -22,7 +22,7 @@ from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 class Z3extCoordinator:
 
     def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None,
-                 group_max_numel=None):
+                 group_max_numel=None, group_claim_max_numel=None):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -55,6 +55,8 @@ class Z3extCoordinator:
         self._in_step = False  # inside the optimizer's step (optimizer_step)
         # [Note: fetch groups] in groups.py: formed when the first plan is adopted
         self._group_max = max_live_numel // 2 if group_max_numel is None else group_max_numel
+        self._group_claim_max = (2 * prefetch_bucket_numel if group_claim_max_numel is None else
+                                 group_claim_max_numel)  # [Note: group claims] in groups.py
         self._groups_formed = False
         self._covered = {}  # id(member) -> its open FetchGroup
 
@@ -128,8 +130,8 @@ class Z3extCoordinator:
 
     def _open(self, group, unit):
         """The owner's forward fetched the group: its members are covered, and a grad-enabled forward
-        decides now whether the group will be held whole, or each member is held or takes its own
-        backward claim ([Note: hold for backward])."""
+        decides now whether the group will be held or claimed whole, or each member is held or takes
+        its own backward claim ([Note: hold for backward], [Note: group claims])."""
         group.open = True
         self._covered.update(dict.fromkeys(group.member_ids, group))
         claims_ = MemberClaims.NONE
@@ -143,7 +145,8 @@ class Z3extCoordinator:
             held = g is not None and id(group.owner) in g.held
             if not (self._hold_enabled and (held or (
                     self.state.engine.live_numel <= self._max_live and
-                    (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max))):
+                    (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max))) and (
+                    unit.numel > self._group_claim_max):
                 claims_ = MemberClaims.FORWARD
         group.member_claims = claims_
 

@@ -13,14 +13,24 @@ units its forward fetched, when
 - no module around it qualifies (the outermost wins).
 From then on M's forward claims, gathers, holds or releases the group as any module's unit, and
 the prefetch window sees it as one position. The members' own hooks keep DeepSpeed's module stack,
-the input boundary ([Note: input boundary]) and, for a group not held whole, each member's own
-hold or backward claim ([Note: hold for backward]): backward holds and re-gathers member by member
-as without groups, so backward's peak does not grow. In an activation-checkpoint recomputation each
+the input boundary ([Note: input boundary]) and, for a large group not held whole, each member's
+own hold or backward claim ([Note: group claims]). In an activation-checkpoint recomputation each
 member takes its own claim, as without groups: non-reentrant checkpointing stops a recomputation
 inside the last module it needs, whose owner's release (an exception) must not release the members
 that ran before it, whose saved parameters backward still checks. A member that runs outside its owner's forward fetches
 its own unit; one whose parameters changed (late parameters) rebuilds the group at the owner's next
 fetch, and an external parameter discovered inside the group is claimed for the owner and joins it.
+
+[Note: group claims] A group that is not held whole ([Note: hold for backward]: the hold is off or
+past its budget) is gathered again for backward, by the owner's one claim or member by member. The
+owner's claim (graphs.claim_per_call on the block's inputs and outputs) costs one claim, one gather
+and one release per block instead of one per member, in forward and in backward, but backward then
+keeps the whole block gathered, and the block gathered ahead of it ([Note: backward prefetch]). So
+a group of at most twice stage3_prefetch_bucket_size elements (`fetch_group_claim_numel`) is
+claimed whole: the two blocks of
+backward stay within four buckets (the 0.94B GPT's 50M-element block at the 5e7 default). A larger
+group (GPT 6.7B: 201M) is re-gathered member by member, where each member is held while the hold
+budget allows or takes its own claim, as without groups, so its backward's peak does not grow.
 """
 import enum
 from typing import Dict
@@ -31,7 +41,7 @@ from deepspeed.utils import z3_leaf_module
 class MemberClaims(enum.Enum):
     """Who keeps a group's members gathered past the owner's forward, decided when it opens."""
     NONE = 1       # the group as a whole: released, held ([Note: hold for backward]) or recomputed
-    FORWARD = 2    # a grad-enabled forward of a group not held whole: each member is held or claims its backward
+    FORWARD = 2    # a grad-enabled forward of a large group not held whole: each member is held or claims its backward
     RECOMPUTE = 3  # a recomputation inside backward: each member stays claimed until its own backward
 
 

@@ -102,8 +102,9 @@ class BackwardWindow:
     forward's window ([Note: prefetch window]). Each such unit is claimed by a token of this backward
     pass; its module's own fetch takes its per-call claim and drops the token's, and the pass's end
     drops whatever a module never fetched (a branch that got no gradient), so nothing outlives the
-    pass. A unit larger than the window is gathered by its module, as in the forward. This is stock's
-    trace prefetch in backward, with units instead of parameters."""
+    pass. A unit larger than the window (a fetch group claimed whole, [Note: group claims]) is
+    gathered ahead alone when nothing else is ahead and it fits the live budget, as in the forward.
+    This is stock's trace prefetch in backward, with units instead of parameters."""
 
     def __init__(self, bucket_numel: int):
         self.bucket_numel = bucket_numel
@@ -157,8 +158,8 @@ class BackwardWindow:
             unit = unit_for(module)
             if unit.partitioned and id(module) not in self._ahead:  # else gathered already, or ahead
                 n = unit.numel
-                if numel + n > room:
-                    break
+                if numel + n > room and (units or self._ahead or n > live_room):
+                    break  # else a unit larger than the window, gathered ahead alone
                 modules.append(module)
                 units.append(unit)
                 numel += n

@@ -376,16 +376,19 @@ def test_small_batches_wait_while_two_units_are_ahead():
 def fetch_groups_case():
     import deepspeed_z3ext
     from tests.models import TinyGPT, build_engine, ds_config, full_params
+    # A block has 12.7K elements: within twice the default bucket it is claimed whole when not held;
+    # past twice a 5000-element bucket, member by member ([Note: group claims]).
     variants = {
-        "stock": False,
-        "groups": {"enabled": True},
-        "groups-nohold": {"enabled": True, "hold_for_backward": False},
-        "groups-partial-hold": {"enabled": True, "hold_max_numel": 5000},  # a block: 12.7K elements
-        "nogroups": {"enabled": True, "fetch_group_numel": 0},
+        "stock": (False, None),
+        "groups": ({"enabled": True}, None),
+        "groups-nohold": ({"enabled": True, "hold_for_backward": False}, None),
+        "groups-partial-hold": ({"enabled": True, "hold_max_numel": 5000}, {"stage3_prefetch_bucket_size": 5000}),
+        "nogroups": ({"enabled": True, "fetch_group_numel": 0}, None),
     }
     out = {}
-    for name, z3ext in variants.items():
-        eng = build_engine(ds_config(z3ext=z3ext, persistence=0, ga=1), model_fn=lambda: TinyGPT(layers=4))
+    for name, (z3ext, zero_extra) in variants.items():
+        eng = build_engine(ds_config(z3ext=z3ext, persistence=0, ga=1, zero_extra=zero_extra),
+                           model_fn=lambda: TinyGPT(layers=4))
         model, plan = eng.module, []
 
         def before_step(step):
@@ -404,6 +407,8 @@ def fetch_groups_case():
             out[name + "_resyncs"] = coord.plans[True].resyncs
             out[name + "_per_forward"] = per_forward
             out[name + "_bwd_prefetched"] = deepspeed_z3ext.stats(eng).backward_prefetched
+            # The last forward's real releases, in order: what its backward gathered again.
+            out[name + "_regathered"] = [type(m).__name__ for m in coord.backward_window.order]
     stock = out.pop("stock_params")
     for name in variants:
         if name != "stock":
@@ -413,9 +418,10 @@ def fetch_groups_case():
 
 def test_fetch_groups_one_unit_per_block():
     """[Note: fetch groups]: each block of TinyGPT becomes one fetch unit after the first forward; a
-    block's members run without fetching. Held, not held, or held only in part (members re-gathered
-    one by one for backward), and through a forward that skips a block: the same losses and final
-    parameters as stock, bitwise; one unit per module when off."""
+    block's members run without fetching. Held, not held (claimed whole for backward), or a large
+    block held only in part (members re-gathered one by one for backward, [Note: group claims]), and
+    through a forward that skips a block: the same losses and final parameters as stock, bitwise;
+    one unit per module when off."""
     for r in run_on_ranks(fetch_groups_case):
         for name in ("groups", "groups-nohold", "groups-partial-hold", "nogroups"):
             assert r[name] == r["stock"] and r[name + "_equal"], (name, r)
@@ -424,9 +430,12 @@ def test_fetch_groups_one_unit_per_block():
             assert r[name + "_groups"] == 4, (name, r)
             assert r[name + "_plan"] == ["TinyGPT", "Embedding"] + ["Block"] * 4 + ["LayerNorm", "Linear"], (name, r)
         assert r["nogroups_groups"] == 0 and len(r["nogroups_plan"]) == 28, r
-        # Members not held take their own backward claims: backward gathers them ahead, member by member.
+        # Not held: backward gathers ahead, whole blocks or members ([Note: group claims]).
         assert r["groups-nohold_bwd_prefetched"] > 0 and r["groups-partial-hold_bwd_prefetched"] > 0, r
-        assert r["groups_bwd_prefetched"] == 0, r
+        assert r["groups_bwd_prefetched"] == 0 and r["groups_regathered"] == [], r
+        assert r["groups-nohold_regathered"] == ["Embedding"] + ["Block"] * 4 + ["LayerNorm", "Linear", "TinyGPT"], r
+        partial = r["groups-partial-hold_regathered"]  # members, those within the 5000-element hold held
+        assert "Block" not in partial and partial.count("Linear") > 5 and "LayerNorm" not in partial, r
         assert r["groups_resyncs"] == 1, r  # the skipping forward's order, adopted by the next forward
 
 
