@@ -31,6 +31,7 @@ def config_cases():
     out["stage2"] = error_of(ds_config(z3ext=True, zero_extra={"stage": 2}))
     out["qwz"] = error_of(ds_config(z3ext=True, zero_extra={"zero_quantized_weights": True}))
     out["hpz"] = error_of(ds_config(z3ext=True, zero_extra={"zero_hpz_partition_size": 2}))
+    out["mics"] = error_of(ds_config(z3ext=True, zero_extra={"mics_shard_size": 2}))  # removed in DeepSpeed 0.19
     out["zenflow"] = error_of(ds_config(z3ext=True, zero_extra={
         "zenflow": {"topk_ratio": 0.1, "update_interval": 4},
         "offload_optimizer": {"device": "cpu", "pin_memory": False}}))
@@ -67,6 +68,7 @@ def test_config_validation_and_dispatch():
     assert "stage 3" in r["stage2"] and "stage 2" in r["stage2"]
     assert "zero_quantized_weights" in r["qwz"]
     assert "zero_hpz_partition_size" in r["hpz"]
+    assert "mics_shard_size" in r["mics"] and "removed" in r["mics"], r["mics"]
     assert "zero_optimization.zenflow" in r["zenflow"], r["zenflow"]  # refused at initialize, named
     assert "z3ext.plan_warning_steps" in r["plan_warning_steps"]
     assert r["stock_type"] == "DeepSpeedZeRoOffload"
