@@ -49,7 +49,6 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext-nogroups" (one fetch unit per
 # module: z3ext.fetch_group_numel 0), "z3ext-memberclaims" / "z3ext-blockclaims" (a block not held is
 # gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
-# "z3ext-nofuse" (every gradient laid out by one kernel, then divided: [Note: fused layout]),
 # "z3ext@N" (the sweep).
 
 
@@ -171,7 +170,7 @@ def build_system(name, a, device):
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups",
-                                                "memberclaims", "blockclaims", "nofuse")]
+                                                "memberclaims", "blockclaims")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     mel = "mel" in variants
@@ -194,17 +193,7 @@ def build_system(name, a, device):
             model = make_model(a)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                           optimizer=lambda ps: _opt(ps, a, device))
-        backward = engine.backward
-        if "nofuse" in variants:  # every gradient through the one layout kernel ([Note: fused layout]), this engine only
-            from deepspeed_z3ext import grads as z3ext_grads
-
-            def backward(loss, _engine=engine):
-                saved, z3ext_grads.FUSED_LAYOUT_MIN_NUMEL = z3ext_grads.FUSED_LAYOUT_MIN_NUMEL, 2**62
-                try:
-                    _engine.backward(loss)
-                finally:
-                    z3ext_grads.FUSED_LAYOUT_MIN_NUMEL = saved
-        sys_ = System(name, engine, engine, backward, engine.step, 0, linear=F.linear)
+        sys_ = System(name, engine, engine, engine.backward, engine.step, 0, linear=F.linear)
         F.linear = TORCH_LINEAR
     elif base == "unsharded":
         with torch.device(device):  # built in place: a 6.7B model's CPU init alone takes tens of seconds

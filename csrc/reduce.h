@@ -17,15 +17,6 @@
 // parameters' flat gradients in one kernel, whatever the world.
 // Elementwise ops over a buffer give what per-tensor ops give, and the layout only decides which
 // elements meet in the sum (the same ones on every rank: the caller sorts by ds_id).
-// [Note: fused layout] Steps 1 and 2 are two passes over the whole bucket (a copy, then `div_` reading
-// and writing it again): at a 6.7B GPT's world of 8, 27 GB of memory traffic per step for the divide
-// alone. A gradient of at least `fused_min_numel` elements that splits evenly over the ranks and is
-// already in the communication dtype is laid out by its divide: one `div_out` from its [world, chunk]
-// view into its columns of the [world, per_rank] grid, the same elementwise op on the same values as
-// `div_` over the buffer, so the same bits, and one pass instead of two. Its columns come after the
-// `_chunk_cat` ones (same layout on every rank: chosen by size alone), which is still one kernel for
-// all the small gradients, followed by `div_` over their columns only. Per such gradient it costs one
-// op on the host, so only large ones take it (grads.py FUSED_LAYOUT_MIN_NUMEL).
 #pragma once
 #include <torch/extension.h>
 #include <functional>
@@ -38,7 +29,6 @@ namespace z3ext {
 struct ReduceScatterResult {
   int64_t reduced;    // parameters whose partition on this rank received data
   int64_t buffer_numel;
-  int64_t fused = 0;  // gradients laid out by their divide ([Note: fused layout])
 };
 
 // Step 5: `copy_` (first micro-step) or `add_` (accumulation) of each part into its partition, as
@@ -63,8 +53,7 @@ using ReduceScatterFn = std::function<void(at::Tensor, at::Tensor)>;
 // current stream; on CUDA the gradients are marked as used by it (they were made on the compute stream).
 inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
-                                                at::ScalarType comm_dtype, double averaging_scale, bool accumulate,
-                                                int64_t fused_min_numel) {
+                                                at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(grads.size() == dests.size(), "z3ext reduce_scatter_grads: ", grads.size(), " gradients but ",
               dests.size(), " partitions");
@@ -106,51 +95,21 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
     return {reduced, 0};
   }
   at::Tensor buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
-  at::Tensor grid = buf.view({world, per_rank});
-  // Columns: the `_chunk_cat` gradients first, then the fused ones ([Note: fused layout]).
-  std::vector<char> fused(grads.size(), 0);
-  int64_t cat_cols = 0;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const int64_t n = flat[i].numel();
-    fused[i] = n > 0 && n >= fused_min_numel && n % world == 0 && flat[i].scalar_type() == comm_dtype;
-    if (!fused[i]) cat_cols += chunk[i];
-  }
-  std::vector<int64_t> col(grads.size());
-  for (int64_t i = 0, cat = 0, big = cat_cols; i < static_cast<int64_t>(grads.size()); ++i) {
-    col[i] = fused[i] ? big : cat;
-    (fused[i] ? big : cat) += chunk[i];
-  }
   // 1. rank-major layout, each chunk zero-padded (stock leaves the padding uninitialised: it is summed and
-  // dropped): one `_chunk_cat` over a [world, columns] view, FSDP2's layout kernel, so the host work is
+  // dropped): one `_chunk_cat` over a [world, per_rank] view, FSDP2's layout kernel, so the host work is
   // O(parameters), never O(parameters x world) ([Note: layout cost]). A gradient not yet in the
   // communication dtype is converted whole first, as stock converts it.
   std::vector<at::Tensor> srcs;
   srcs.reserve(flat.size());
-  for (size_t i = 0; i < flat.size(); ++i) {
-    const auto& f = flat[i];
-    if (f.numel() > 0 && !fused[i]) srcs.push_back(f.scalar_type() == comm_dtype ? f : f.to(comm_dtype));
+  for (const auto& f : flat) {
+    if (f.numel() > 0) srcs.push_back(f.scalar_type() == comm_dtype ? f : f.to(comm_dtype));  // empty: no columns
   }
-  const bool all_cat = cat_cols == per_rank;
   if (!srcs.empty()) {
-    if (all_cat) {
-      at::_chunk_cat_out(grid, srcs, /*dim=*/0, /*num_chunks=*/world);
-    } else {  // the fused columns follow: lay the others out in a [world, cat_cols] block, then copy it in
-      at::Tensor block = at::empty({world, cat_cols}, buf.options());
-      at::_chunk_cat_out(block, srcs, /*dim=*/0, /*num_chunks=*/world);
-      block.div_(world);  // 2. for these columns
-      grid.narrow(1, 0, cat_cols).copy_(block);
-    }
+    at::Tensor grid = buf.view({world, per_rank});
+    at::_chunk_cat_out(grid, srcs, /*dim=*/0, /*num_chunks=*/world);
   }
   // 2.
-  if (all_cat) {
-    buf.div_(world);
-  } else {
-    for (size_t i = 0; i < grads.size(); ++i)
-      if (fused[i]) {
-        at::Tensor cols = grid.narrow(1, col[i], chunk[i]);
-        at::div_out(cols, flat[i].view({world, chunk[i]}), world);
-      }
-  }
+  buf.div_(world);
   // 3.
   at::Tensor mine = buf.narrow(0, rank * per_rank, per_rank);
   if (world > 1) collective(mine, buf);
@@ -159,22 +118,22 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
   // 5.
   int64_t reduced = 0;
   std::vector<at::Tensor> parts, outs;
+  int64_t off = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
     const int64_t n = grads[i].numel();
     const int64_t len = std::max<int64_t>(0, std::min(chunk[i], n - rank * chunk[i]));
     if (len > 0) {
-      at::Tensor part = mine.narrow(0, col[i], len);
+      at::Tensor part = mine.narrow(0, off, len);
       at::Tensor dest = dests[i].reshape({-1}).narrow(0, 0, len);
       if (part.scalar_type() != dest.scalar_type()) part = part.to(dest.scalar_type());
       parts.push_back(part);
       outs.push_back(dest);
       ++reduced;
     }
+    off += chunk[i];
   }
   write_partitions(outs, parts, accumulate);
-  int64_t n_fused = 0;
-  for (char f : fused) n_fused += f;
-  return {reduced, buf.numel(), n_fused};
+  return {reduced, buf.numel()};
 }
 
 }  // namespace z3ext

@@ -107,9 +107,6 @@ from deepspeed_z3ext.state import group_of, of_optimizer, of_param
 
 _MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
 _SLICES = 4  # a flush reduce-scatters its bucket in this many slices at least ([Note: flush slices])
-# A gradient this large (and even over the ranks) is laid out by its divide, one op of its own
-# ([Note: fused layout] in csrc/reduce.h); smaller ones share one layout kernel.
-FUSED_LAYOUT_MIN_NUMEL = 1 << 22
 
 
 class GradReduceStats(NamedTuple):
@@ -125,7 +122,6 @@ class GradReduceStats(NamedTuple):
     abandoned_passes: int  # backward passes that raised: their unreduced gradients dropped ([Note: failed pass])
     partitions_freed: int  # steps after which the gradient partitions were freed ([Note: gradient partitions between steps])
     unscales_fused: int   # sub-group unscales done in the step gradient's copy ([Note: fused unscale])
-    fused_layouts: int    # gradients laid out by their divide ([Note: fused layout] in csrc/reduce.h)
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -179,7 +175,6 @@ class GradReducer:
         self._fused_sub_group = None  # the sub-group whose step gradient the unscale already scaled ([Note: fused unscale])
         self._n_norms = 0
         self._n_reduce_scatters = 0
-        self._n_fused_layouts = 0
         self._n_abandoned = 0
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
         self._pass_task = None  # its autograd graph task
@@ -198,8 +193,7 @@ class GradReducer:
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
-                               self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused,
-                               self._n_fused_layouts)
+                               self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -269,8 +263,7 @@ class GradReducer:
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
-                    n, _, fused = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale,
-                                                 accumulate, FUSED_LAYOUT_MIN_NUMEL)
+                    n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
                 except BaseException:
                     self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
                     raise
@@ -278,7 +271,6 @@ class GradReducer:
                 for p in part:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
                     p.grad = None
                 reduced += n
-                self._n_fused_layouts += fused
                 self._n_reduce_scatters += world > 1
                 self._pass_accumulated += n if accumulate else 0
             if self._on_device:

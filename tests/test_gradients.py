@@ -23,14 +23,10 @@ CASES = {
     "free-grad-partitions-clip": ({"gradient_clipping": 1e-3}, {}, {"free_grad_partitions": True}, 1),
     "stock-path": ({}, {}, {"reduce_gradients": False}, 2),
     "reduce-scatter-off": ({}, {"reduce_scatter": False}, {}, 2),  # stock's all-reduce path: kept
-    # [Note: fused layout]: gradients of 100 elements or more laid out by their divide, the rest by one kernel
-    "fused-layout": ({}, {}, {}, 2),
-    "bf16-fused-layout": ({"bf16": {"enabled": True}}, {}, {}, 1),
     # DeepSpeed refuses fp16 on CPU: GPU only (test_gradient_path_on_gpu).
     "fp16-loss-scale": ({"fp16": {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 2}}, {}, {}, 2),
 }
 STOCK_PATH = ("stock-path", "reduce-scatter-off")
-FUSED_MIN_NUMEL = 100  # the fused-layout cases' threshold: this model's gradients have 16 to 1024 elements
 
 
 def _config(z3ext, extra, zero_extra, options, ga):
@@ -69,10 +65,7 @@ def train_both(case, steps=4):
     from deepspeed_z3ext.state import of_optimizer
     from tests.models import full_params
 
-    from deepspeed_z3ext import grads
     extra, zero_extra, options, ga = CASES[case]
-    if "fused-layout" in case:
-        grads.FUSED_LAYOUT_MIN_NUMEL = FUSED_MIN_NUMEL
     rank = dist.get_rank()
     torch.backends.cudnn.deterministic = True  # GPU: conv and LSTM kernels
     runs = {}
@@ -161,12 +154,6 @@ def check(results, case, norm_rtol=0.0):
             assert st["unscales_skipped"] == 0 and st["unscales_fused"] == steps_taken, st
         else:
             assert st["unscales_skipped"] == steps_taken and st["unscales_fused"] == 0, st
-        # Large gradients laid out by their divide in the fused-layout cases only (the default threshold,
-        # 4M elements, is far above this model's).
-        if "fused-layout" in case:
-            assert st["fused_layouts"] > 0 and st["fused_layouts"] < st["reduced_params"], st
-        else:
-            assert st["fused_layouts"] == 0, st
         # The step's norm was z3ext's multi-tensor pass, unless the case asks for stock's loop.
         assert st["fast_norms"] == (0 if options.get("exact_grad_norm") else steps_taken), st
         # The gradient partitions between steps: freed with free_grad_partitions, else kept as stock keeps them.
@@ -201,8 +188,7 @@ def _on_gpu(world):
 
 
 @pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
-@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions",
-                                  "bf16-fused-layout"])
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions"])
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
     the same arithmetic; two: a two-operand sum, the same in any order)."""
@@ -211,39 +197,3 @@ def test_gradient_path_on_gpu(case, world):
                  if a is not None and b is not None and a not in (0.0, b)), default=0.0)
     print(f"[{case}, {world} GPU] largest relative difference of the gradient norm from stock's: {worst:.3e}")
     check(results, case, norm_rtol=1e-9)
-
-
-def test_fused_layout_same_bits_as_one_divide():
-    """[Note: fused layout] in csrc/reduce.h: laying a gradient out by its divide gives the bits of the
-    copy-then-`div_` layout, at a world of 3 (a divide that rounds), for gradients that take it (large,
-    even over the ranks, in the communication dtype) next to ones that do not (uneven, another dtype,
-    empty), first micro-step and accumulation."""
-    import torch
-    from deepspeed_z3ext._ops import ops
-
-    world = 3
-    seen = []
-
-    def collective(out, inp):  # a deterministic stand-in for the ranks' sum: what it is fed decides the result
-        seen.append(inp.clone())
-        out.copy_(inp.view(world, -1).sum(0) * 0.5)
-
-    g = torch.Generator().manual_seed(0)
-    for comm in (torch.float32, torch.bfloat16):
-        grads = [torch.randn(n, generator=g).to(dt) for n, dt in
-                 ((300, comm), (7, comm), (0, comm), (129, comm), (90, torch.float32), (3000, comm))]
-        results = []
-        for threshold in (10**9, 64):
-            seen.clear()
-            dests = [torch.full(((len(t) + world - 1) // world, ), 0.25, dtype=torch.float32) for t in grads]
-            for accumulate in (False, True):
-                reduced, _, fused = ops().reduce_scatter_grads(collective, grads, dests, 1, world, comm, 0.0,
-                                                               accumulate, threshold)
-            results.append((fused, [d.clone() for d in dests], list(seen)))
-        (f_off, d_off, in_off), (f_on, d_on, in_on) = results
-        # 300, 129, 3000 elements, and 90 where fp32 is the communication dtype; 7 is uneven over 3 ranks
-        assert f_off == 0 and f_on == (4 if comm == torch.float32 else 3), (comm, f_on)
-        assert all(torch.equal(a, b) for a, b in zip(d_off, d_on)), comm
-        # The collective's inputs hold the same divided values (bit for bit), only in other columns.
-        assert len(in_off) == len(in_on) == 2
-        assert all(torch.equal(a.sort().values, b.sort().values) for a, b in zip(in_off, in_on)), comm
