@@ -27,10 +27,11 @@ owner's claim (graphs.claim_per_call on the block's inputs and outputs) costs on
 and one release per block instead of one per member, in forward and in backward, but backward then
 keeps the whole block gathered, and the block gathered ahead of it ([Note: backward prefetch]). So
 a group of at most twice stage3_prefetch_bucket_size elements (`fetch_group_claim_numel`) is
-claimed whole: the two blocks of
-backward stay within four buckets (the 0.94B GPT's 50M-element block at the 5e7 default). A larger
-group (GPT 6.7B: 201M) is re-gathered member by member, where each member is held while the hold
-budget allows or takes its own claim, as without groups, so its backward's peak does not grow.
+claimed whole: the two blocks of backward stay within four buckets (the 0.94B GPT's 50M-element
+block at the 5e7 default; its peak fell 87 MiB, as members held in part are no longer re-gathered
+beside the window). A larger group (GPT 6.7B: 201M; claimed whole, its peak rose 480 MiB) is
+re-gathered member by member, where each member is held while the hold budget allows or takes its
+own claim, as without groups (bench/NOTES.md v18).
 """
 import enum
 from typing import Dict
