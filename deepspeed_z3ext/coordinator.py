@@ -140,15 +140,20 @@ class Z3extCoordinator:
         elif in_backward():
             if not self.backward_claims.held_by_graph(group.owner):
                 claims_ = MemberClaims.RECOMPUTE
-        else:
-            g = self.backward_claims.open
-            held = g is not None and id(group.owner) in g.held
-            if not (self._hold_enabled and (held or (
-                    self.state.engine.live_numel <= self._max_live and
-                    (g.held_numel if g is not None else 0) + unit.numel <= self._hold_max))) and (
-                    unit.numel > self._group_claim_max):
-                claims_ = MemberClaims.FORWARD
+        elif unit.numel > self._group_claim_max and not self._holds(self.backward_claims.open, id(group.owner),
+                                                                     unit.numel):
+            claims_ = MemberClaims.FORWARD
         group.member_claims = claims_
+
+    def _holds(self, g, key, numel) -> bool:
+        """Whether the open graph `g` (None: none yet) holds, or would hold, a unit of `numel` elements
+        of module `key` ([Note: hold for backward])."""
+        if not self._hold_enabled:
+            return False
+        if g is not None and key in g.held:
+            return True
+        held_numel = g.held_numel if g is not None else 0
+        return self.state.engine.live_numel <= self._max_live and held_numel + numel <= self._hold_max
 
     def _close(self, group):
         group.open = False
@@ -262,10 +267,9 @@ class Z3extCoordinator:
         engine, graphs = self.state.engine, self.backward_claims
         if self._hold_enabled:
             g, key = graphs.graph(), id(module)
-            held = key in g.held
-            if held or (engine.live_numel <= self._max_live and g.held_numel + unit.numel <= self._hold_max):
+            if self._holds(g, key, unit.numel):
                 engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
-                if not held:
+                if key not in g.held:
                     g.held.add(key)
                     g.held_numel += unit.numel
                 return
