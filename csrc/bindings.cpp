@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GatherEngine, std::shared_ptr<GatherEngine>>(m, "GatherEngine")
       .def(py::init<py::object, py::object>(), py::arg("status_available"), py::arg("status_not_available"))
       .def("make_handle", &GatherEngine::make_handle)
+      .def("set_secondary", &GatherEngine::set_secondary, py::arg("handle"), py::arg("group"), py::arg("rank"),
+           py::arg("world"), py::arg("status_available"))  // [Note: hpZ secondary partition]
       .def("conflict", &GatherEngine::conflict, py::arg("unit"), py::arg("kind"), py::arg("owner"),
            py::arg("to_claim"))
       .def(
@@ -105,6 +107,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["collectives"] = s.collectives;
         d["refilled"] = s.refilled;
         d["refreshed"] = s.refreshed;
+        d["secondary_collectives"] = s.secondary_collectives;
+        d["secondaries_made"] = s.secondaries_made;
         return d;
       });
 

@@ -19,6 +19,8 @@ struct EngineStats {
   int64_t collectives = 0;      // all-gathers issued
   int64_t refilled = 0;         // gathers into a storage a previous gather made ([Note: true release])
   int64_t refreshed = 0;        // persistent parameters re-gathered in place after a step ([Note: persistent refresh])
+  int64_t secondary_collectives = 0;  // of `collectives`, those over an hpZ intra-node group
+  int64_t secondaries_made = 0;       // hpZ secondary partitions copied out ([Note: hpZ secondary partition])
 };
 
 // [Note: released storage mark] A released storage is marked so that a read of its data raises naming
@@ -67,6 +69,19 @@ class GatherEngine {
     return h;
   }
 
+  // Gives `h` an hpZ secondary partition over `group` ([Note: hpZ secondary partition]);
+  // `status_available`: DeepSpeed's PartitionedParamStatus.AVAILABLE, which a new one carries.
+  void set_secondary(const HandlePtr& h, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t rank, int64_t world,
+                     py::object status_available) {
+    const int64_t padded = h->world * h->partition_numel;
+    if (world < 2 || padded % world != 0 || rank < 0 || rank >= world)
+      throw std::runtime_error("z3ext: " + h->describe() + ": an hpZ group of " + std::to_string(world) +
+                               " ranks (rank " + std::to_string(rank) + ") cannot split its " +
+                               std::to_string(padded) + " padded elements");
+    h->secondary = SecondaryPartition{std::move(group), rank, world, padded / world};
+    secondary_available_ = std::move(status_available);
+  }
+
   // Describes the first parameter of `unit` that (kind, owner) cannot claim (already held) or drop
   // (not held); empty when none. Python raises ClaimError with it: no C++ exception crosses the
   // binding for a user error (one did crash the CUDA build under torch 2.11's pybind11).
@@ -91,7 +106,7 @@ class GatherEngine {
     std::vector<ParamHandle*> need;
     Added added;
     claim(unit, Claim{kind, owner}, defer, need, added);  // a unit is in ds_id order, each parameter once
-    if (!need.empty()) gather_or_roll_back(need, added, defer);
+    if (!need.empty()) gather_or_roll_back(need, added, defer, kind != ClaimKind::Direct);
     return static_cast<int64_t>(need.size());
   }
 
@@ -107,7 +122,7 @@ class GatherEngine {
     // ds_id order, each parameter once (an external parameter can be in several units).
     std::sort(need.begin(), need.end(), [](ParamHandle* a, ParamHandle* b) { return a->ds_id < b->ds_id; });
     need.erase(std::unique(need.begin(), need.end()), need.end());
-    if (!need.empty()) gather_or_roll_back(need, added, defer);
+    if (!need.empty()) gather_or_roll_back(need, added, defer, kind != ClaimKind::Direct);
     return static_cast<int64_t>(need.size());
   }
 
@@ -200,6 +215,7 @@ class GatherEngine {
       int64_t n = std::min(h->partition_numel, h->numel - start);
       at::NoGradGuard no_grad;
       part.reshape({-1}).narrow(0, 0, n).copy_(full.narrow(0, start, n));
+      if (h->secondary) make_secondary(*h, full);  // stock rewrites it too ([Note: hpZ secondary partition])
       h->stale = false;  // its partition is its gathered value now
     }
     if (residency_) residency_->after_write_back(ids);
@@ -287,9 +303,10 @@ class GatherEngine {
   // unclaimed. Without it the filled storages stayed counted live and their memory held until the next
   // gather of the same parameters, and the stale claims outlived the step. HF's and users' retry with
   // a smaller batch then starts from the engine a fresh one would be (tests/test_faults.py).
-  void gather_or_roll_back(const std::vector<ParamHandle*>& need, const Added& added, bool defer) {
+  // `secondary_ok`: a module's gather, which reads hpZ secondary partitions where they exist.
+  void gather_or_roll_back(const std::vector<ParamHandle*>& need, const Added& added, bool defer, bool secondary_ok) {
     try {
-      gather_resident(need, defer);
+      gather_resident(need, defer, secondary_ok);
     } catch (...) {
       for (const auto& [h, c] : added) h->claims.remove(c);
       for (auto* h : need) {
@@ -308,23 +325,23 @@ class GatherEngine {
   // Gathers `need` (partitioned, claimed, each once, in ds_id order). With a residency hook, in
   // the parts it names, each made resident before and handed back after its gather
   // ([Note: partition residency]); without one (no partition out of memory), one null check.
-  void gather_resident(const std::vector<ParamHandle*>& need, bool defer) {
+  void gather_resident(const std::vector<ParamHandle*>& need, bool defer, bool secondary_ok) {
     if (!residency_) {
-      gather(need, defer);
+      gather(need, defer, secondary_ok);
       return;
     }
     py::list ids;
     for (auto* h : need) ids.append(h->ds_id);
     py::object parts = residency_->parts(ids);
     if (parts.is_none()) {  // every partition of `need` is in memory
-      gather(need, defer);
+      gather(need, defer, secondary_ok);
       return;
     }
     for (auto& part : split_parts(need, parts)) {
       py::list part_ids;
       for (auto* h : part) part_ids.append(h->ds_id);
       residency_->before_gather(part_ids);
-      gather(part, defer);
+      gather(part, defer, secondary_ok);
       residency_->after_gather(part_ids);
     }
   }
@@ -362,32 +379,46 @@ class GatherEngine {
     return out;
   }
 
+  struct GatherGroup {
+    bool secondary;  // over the hpZ intra-node group, from secondary partitions
+    std::vector<std::pair<ParamHandle*, at::Tensor>> params;  // (handle, the partition it gathers from)
+  };
+
   // Gathers `params` (all partitioned), grouped by (process group, dtype, device, persistence) in
-  // ds_id order.
+  // ds_id order; with `secondary_ok`, from hpZ secondary partitions where DeepSpeed's attribute holds
+  // one (not for a stale persistent parameter: the step rewrote its primary, and the secondary is
+  // dropped only after that re-gather, [Note: hpZ secondary partition]).
   // [Note: persistent buckets] Persistent parameters are gathered in collectives of their own: a
   // bucket's fence is shared by its parameters, and a persistent one is never released.
-  void gather(const std::vector<ParamHandle*>& params, bool defer) {
+  void gather(const std::vector<ParamHandle*>& params, bool defer, bool secondary_ok) {
     using Key = std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>;
     std::vector<Key> keys;
-    std::vector<std::vector<std::pair<ParamHandle*, at::Tensor>>> groups;  // (handle, its partition)
+    std::vector<GatherGroup> groups;
     for (auto* h : params) {
-      at::Tensor part = h->param.attr("ds_tensor").cast<at::Tensor>();
-      if (part.numel() != h->partition_numel)
-        throw std::runtime_error("z3ext: " + h->describe() + " has a partition of " + std::to_string(part.numel()) +
-                                 " elements, expected " + std::to_string(h->partition_numel) +
+      py::object source;
+      const bool secondary = secondary_ok && h->secondary && !h->stale &&
+                             !(source = h->param.attr("ds_secondary_tensor")).is_none();
+      at::Tensor part = secondary ? source.cast<at::Tensor>() : h->param.attr("ds_tensor").cast<at::Tensor>();
+      const int64_t expected = secondary ? h->secondary->partition_numel : h->partition_numel;
+      if (part.numel() != expected)
+        throw std::runtime_error("z3ext: " + h->describe() + " has a " + (secondary ? "secondary (hpZ) " : "") +
+                                 "partition of " + std::to_string(part.numel()) + " elements, expected " +
+                                 std::to_string(expected) +
                                  " (quantized or offloaded-to-NVMe partitions are not supported)");
-      Key key{h->group.get(), part.scalar_type(), h->tensor.device().str(), h->persist};
+      c10d::ProcessGroup* pg = secondary ? h->secondary->group.get() : h->group.get();
+      Key key{pg, part.scalar_type(), h->tensor.device().str(), h->persist};
       auto it = std::find(keys.begin(), keys.end(), key);
       if (it == keys.end()) {
         keys.push_back(key);
-        groups.emplace_back();
-        groups.back().emplace_back(h, std::move(part));
+        groups.push_back(GatherGroup{secondary, {}});
+        groups.back().params.emplace_back(h, std::move(part));
       } else {
-        groups[it - keys.begin()].emplace_back(h, std::move(part));
+        groups[it - keys.begin()].params.emplace_back(h, std::move(part));
       }
     }
-    for (auto& g : groups) gather_group(g, defer);
+    for (auto& g : groups) gather_group(g.params, defer, g.secondary);
   }
+
 
   // [Note: parameter-major buckets] One coalesced all-gather fills a bucket: input i is parameter
   // i's partition itself and output i the parameter's own gathered storage (`full`: the `world`
@@ -400,12 +431,13 @@ class GatherEngine {
   // released and re-filled on its own ([Note: true release]). Partitions on another device than the
   // parameter (NVMe offload reads them into host buffers) are first copied into the rank's own block
   // of their output and gathered in place.
-  void gather_group(std::vector<std::pair<ParamHandle*, at::Tensor>>& params, bool defer) {
+  void gather_group(std::vector<std::pair<ParamHandle*, at::Tensor>>& params, bool defer, bool secondary) {
     at::NoGradGuard no_grad;
     ParamHandle& first = *params.front().first;
     const at::Device device = first.tensor.device();
     const at::ScalarType dtype = params.front().second.scalar_type();
-    const int64_t world = first.world;
+    const int64_t world = secondary ? first.secondary->world : first.world;
+    c10d::ProcessGroup& pg = secondary ? *first.secondary->group : *first.group;
 
     auto bucket = std::make_shared<Bucket>();
     // [Note: world of one] In a group of one rank a partition is its whole (padded) parameter: the
@@ -427,7 +459,7 @@ class GatherEngine {
     std::vector<at::Tensor> outs;
     outs.reserve(params.size());
     for (auto& hp : params)
-      outs.push_back(hp.first->stale ? hp.first->full : unshard_storage(*hp.first, world, dtype, device));
+      outs.push_back(hp.first->stale ? hp.first->full : unshard_storage(*hp.first, dtype, device));
     Fence ready;
     stream_.run(device, [&] {
       std::vector<at::Tensor> flat;
@@ -439,18 +471,20 @@ class GatherEngine {
       } else {
         for (size_t i = 0; i < params.size(); ++i) {
           if (flat[i].device() != device) {
-            const int64_t n = params[i].first->partition_numel;
-            at::Tensor mine = outs[i].narrow(0, params[i].first->rank * n, n);
+            const ParamHandle& h = *params[i].first;
+            const int64_t n = secondary ? h.secondary->partition_numel : h.partition_numel;
+            at::Tensor mine = outs[i].narrow(0, (secondary ? h.secondary->rank : h.rank) * n, n);
             mine.copy_(flat[i], /*non_blocking=*/true);
             flat[i] = mine;
           }
         }
         if (outs.size() == 1) {
-          all_gather_into(*first.group, outs[0], flat[0]);
+          all_gather_into(pg, outs[0], flat[0]);
         } else {
-          all_gather_coalesced_into(*first.group, outs, flat);
+          all_gather_coalesced_into(pg, outs, flat);
         }
         stats_.collectives++;
+        if (secondary) stats_.secondary_collectives++;
       }
       ready = Fence::record_current(device);
     });
@@ -506,8 +540,8 @@ class GatherEngine {
   // recycles blocks on CUDA, and a pool would keep released memory the rest of the program could
   // use (on CPU a re-fill of 64 MiB pays fresh pages from glibc: about 3x the copy on the 2-core
   // test VM; CPU runs are tests, not the target).
-  at::Tensor unshard_storage(ParamHandle& h, int64_t world, at::ScalarType dtype, const at::Device& device) {
-    const int64_t numel = world * h.partition_numel;
+  at::Tensor unshard_storage(ParamHandle& h, at::ScalarType dtype, const at::Device& device) {
+    const int64_t numel = h.world * h.partition_numel;  // = secondary world * its partition ([Note: hpZ secondary partition])
     const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     if (!h.module_claimed && h.full.defined() && !h.parked.defined()) {
       h.parked = h.full;  // a user's gather leaves the module storage released ([Note: user views])
@@ -560,6 +594,18 @@ class GatherEngine {
         "GatheredParameters block, or keep a .clone()");
   }
 
+  // Sets the parameter's hpZ secondary partition to its chunk of the gathered flat `full`, made as
+  // stock's `_partition_param_sec` makes it (attributes included).
+  void make_secondary(ParamHandle& h, const at::Tensor& full) {
+    at::Tensor like = h.param.attr("ds_tensor").cast<at::Tensor>();
+    py::object sec = py::cast(copy_secondary_out(*h.secondary, full.reshape({-1}), h.numel, like));
+    sec.attr("ds_numel") = h.secondary->partition_numel;
+    sec.attr("status") = secondary_available_;
+    sec.attr("final_location") = py::none();
+    h.param.attr("ds_secondary_tensor") = sec;
+    stats_.secondaries_made++;
+  }
+
   // `h` (its data already set) is gathered into `bucket`.
   void adopt(ParamHandle& h, const std::shared_ptr<Bucket>& bucket) {
     h.param.attr("ds_status") = available_;
@@ -570,6 +616,8 @@ class GatherEngine {
     const at::Device device = h.tensor.device();
     // A prefetch released unused: its memory is free for reuse only after the gather that wrote it.
     h.bucket->wait_ready(device);
+    if (h.secondary && h.full_live && h.param.attr("ds_secondary_tensor").is_none())
+      make_secondary(h, h.full);  // as stock's release ([Note: hpZ secondary partition])
     h.tensor.set_data(at::empty({0}, h.tensor.options()));
     h.param.attr("ds_status") = not_available_;
     h.bucket.reset();
@@ -581,6 +629,7 @@ class GatherEngine {
   GatherStream stream_;
   py::object available_;
   py::object not_available_;
+  py::object secondary_available_;  // PartitionedParamStatus.AVAILABLE, set with the first secondary
   std::vector<HandlePtr> handles_;
   EngineStats stats_;
   std::unique_ptr<Residency> residency_;  // null: every partition is in memory

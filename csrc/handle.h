@@ -7,6 +7,7 @@
 #include <memory>
 #include "claim.h"
 #include "device.h"
+#include "secondary.h"
 
 namespace z3ext {
 namespace py = pybind11;
@@ -41,6 +42,7 @@ struct ParamHandle {
   int64_t rank = 0;
   int64_t world = 1;
   bool persist = false;  // ds_persist: every gather also takes a Persist claim
+  std::optional<SecondaryPartition> secondary;  // ZeRO++ hpZ ([Note: hpZ secondary partition])
   ClaimSet claims;
   std::shared_ptr<Bucket> bucket;  // set while gathered
   // The parameter's gathered storage (1-D, world * partition_numel, padded), made at its first gather

@@ -165,8 +165,6 @@ def unsupported_options(ds_config) -> list:
             continue
         found.append(f"zero_optimization.{key} = {value!r} (only DeepSpeed's default {default!r}: {instead})")
 
-    if getattr(zc, "zero_hpz_partition_size", 1) > 1:
-        found.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ)")
     if getattr(zc, "zero_quantized_weights", False):
         found.append("zero_optimization.zero_quantized_weights (ZeRO++ qwZ)")
     if getattr(zc, "zero_quantized_nontrainable_weights", False):
@@ -182,6 +180,9 @@ def unsupported_options(ds_config) -> list:
         # NVMe parameter offload goes through z3ext's I/O op (swap.py), which reads into CPU buffers.
         if (getattr(ds_config, "aio_config", None) or {}).get("use_gds", False):
             found.append('aio.use_gds with offload_param.device = "nvme" (GPUDirect Storage)')
+        if getattr(zc, "zero_hpz_partition_size", 1) > 1:
+            # Stock makes the secondary partition on the "nvme" device, which torch has not.
+            found.append('zero_optimization.zero_hpz_partition_size > 1 with offload_param.device = "nvme" (ZeRO++ hpZ)')
     if getattr(ds_config, "torch_autocast_enabled", False):
         found.append("torch_autocast.enabled")
     compile_cfg = getattr(ds_config, "compile_config", None)

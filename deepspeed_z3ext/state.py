@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as tdist
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
@@ -96,6 +96,11 @@ class Z3extState:
         handle = self.engine.make_handle(param, name, param.ds_id, param.ds_numel, param.ds_tensor.ds_numel,
                                          list(param.ds_shape), group, tdist.get_rank(group),
                                          tdist.get_world_size(group), bool(param.ds_persist))
+        hpz = getattr(param, "ds_zero_param_process_group", None)
+        if hpz is not None and getattr(param, "ds_secondary_tensor_group_size", 1) > 1:
+            # ZeRO++ hpZ ([Note: hpZ secondary partition] in csrc/secondary.h)
+            self.engine.set_secondary(handle, hpz, tdist.get_rank(hpz), tdist.get_world_size(hpz),
+                                      PartitionedParamStatus.AVAILABLE)
         setattr(param, HANDLE_ATTR, handle)
         setattr(param, STATE_ATTR, self)
         entry.take_over(param, self)
