@@ -21,6 +21,10 @@ class Z3extStats(NamedTuple):
     backward_prefetched: int = 0    # units gathered ahead of their module's backward ([Note: backward prefetch])
     refreshed_params: int = 0       # persistent parameters re-gathered in place after a step ([Note: persistent refresh])
     fetch_groups: int = 0           # modules fetching their block's units as one ([Note: fetch groups])
+    # ZeRO++ hpZ ([Note: hpZ secondary partition] in csrc/secondary.h): bytes of the secondary
+    # partitions the parameters hold now, and the all-gathers (of `collectives`) that read them.
+    secondary_bytes: int = 0
+    secondary_collectives: int = 0
 
 
 def state_of(engine):
@@ -53,6 +57,9 @@ def stats(engine) -> Z3extStats:
                       refilled_params=s["refilled"], refreshed_params=s["refreshed"],
                       backward_prefetched=state.coordinator.backward_window.gathered_ahead if state.coordinator else 0,
                       fetch_groups=len(state.groups),
+                      secondary_bytes=sum(t.numel() * t.element_size() for t in
+                                          (getattr(p, "ds_secondary_tensor", None) for p in state.params) if t is not None),
+                      secondary_collectives=s["secondary_collectives"],
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
 

@@ -1,0 +1,176 @@
+"""ZeRO++ hpZ (`zero_hpz_partition_size`) under z3ext on 4 real gloo ranks as 2 "nodes" of 2
+([Note: hpZ secondary partition] in csrc/secondary.h): losses and final parameters bitwise equal to
+stock's hpZ, module gathers read the secondary partition over the intra-node group (a corrupted
+secondary changes backward exactly as it changes stock's), and the secondary partitions z3ext makes
+are stock's: the rank's chunk of the full value, zero past ds_numel."""
+import pytest
+
+from tests.harness import run_on_ranks
+
+WORLD, HPZ = 4, 2
+
+
+def _build(config):
+    """An engine whose model is built under zero.Init; the intra-node group DeepSpeed made for the
+    first engine of the process is reused (DeepSpeed makes it once per process)."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import groups
+    from tests.models import TinyGPT, build_engine
+    torch.manual_seed(1234)
+    with deepspeed.zero.Init(config_dict_or_path=config,
+                             zero_param_parallel_group=groups._get_zero_param_intra_parallel_group()):
+        model = TinyGPT(hidden=42, heads=3)  # sizes 42, 126: padded partitions, secondary chunks past ds_numel
+    return build_engine(config, model=model)
+
+
+def _config(z3ext, zero_extra=None, ga=2, mel=False):
+    from tests.models import ds_config
+    return ds_config(z3ext=z3ext, persistence=0, mel=mel, ga=ga,
+                     zero_extra={"zero_hpz_partition_size": HPZ, **(zero_extra or {})})
+
+
+def _secondary_errors(engine):
+    """Parameters whose secondary partition is not the rank's chunk of the full value (zero past it)."""
+    import torch
+    import deepspeed
+    from deepspeed.utils import groups
+    rank = groups._get_zero_param_intra_parallel_rank_in_mygroup()
+    secondaries = {n: p.ds_secondary_tensor.clone() for n, p in engine.module.named_parameters()
+                   if p.ds_secondary_tensor is not None}
+    wrong = []
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for n, p in engine.module.named_parameters():
+            if n not in secondaries:
+                continue
+            sec = secondaries[n]
+            start = rank * sec.numel()
+            want = torch.zeros_like(sec)
+            n_in = max(0, min(sec.numel(), p.numel() - start))
+            want[:n_in] = p.detach().reshape(-1)[start:start + n_in]
+            if not torch.equal(sec, want):
+                wrong.append(n)
+    return len(secondaries), wrong
+
+
+def compare_hpz_with_stock(variants, steps=3):
+    import torch
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import batch, full_params
+    from tests.training import train
+    rank = dist.get_rank()
+
+    def run(config):
+        engine = _build(config)
+        checks = []
+        secondary_bytes = []
+
+        def after_step(engine, step):
+            engine.eval()
+            with torch.no_grad():  # a no_grad forward: its releases make secondaries again
+                engine(batch(10_000 + step, rank))
+            engine.train()
+            checks.append(_secondary_errors(engine))
+            if config.get("z3ext"):
+                secondary_bytes.append(deepspeed_z3ext.stats(engine).secondary_bytes)
+
+        losses = train(engine, steps, lambda i: batch(i, rank), ga=config["gradient_accumulation_steps"],
+                       after_step=after_step)
+        return engine, losses, full_params(engine), (checks, secondary_bytes)
+
+    out = {}
+    for name, (z3ext, zero_extra, mel) in {"stock": (False, None, False), **variants}.items():
+        engine, losses, params, checks = run(_config(z3ext, zero_extra, mel=mel))
+        checks, secondary_bytes = checks
+        expected_bytes = sum(4 * -(-p.ds_numel // WORLD) * (WORLD // HPZ) for p in engine.module.parameters())
+        r = dict(losses=losses, params={n: p.numpy() for n, p in params.items()}, checks=checks,
+                 secondary_bytes=secondary_bytes, expected_bytes=expected_bytes)
+        if z3ext:
+            s = engine.optimizer.parameter_offload.z3ext.engine.stats()
+            r.update(collectives=s["collectives"], secondary_collectives=s["secondary_collectives"],
+                     secondaries_made=s["secondaries_made"], live_after=deepspeed_z3ext.stats(engine).live_bytes)
+        out[name] = r
+        engine.destroy()
+    return out
+
+
+VARIANTS = {
+    "hold": ({"enabled": True}, None, False),
+    "nohold": ({"enabled": True, "hold_for_backward": False}, None, False),
+    "partial-mel": ({"enabled": True}, {"stage3_max_live_parameters": 12000, "stage3_prefetch_bucket_size": 6000}, True),
+    "reuse0": ({"enabled": True}, {"stage3_max_reuse_distance": 0}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def hpz_runs():
+    return run_on_ranks(compare_hpz_with_stock, world_size=WORLD, timeout=600, variants=VARIANTS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hpz_bitwise_equal_to_stock(hpz_runs, variant):
+    import numpy as np
+    for rank, r in enumerate(hpz_runs):
+        stock, z3 = r["stock"], r[variant]
+        assert z3["losses"] == stock["losses"], f"rank {rank}: losses differ"
+        differ = [n for n in stock["params"] if not np.array_equal(stock["params"][n], z3["params"][n])]
+        assert not differ, f"rank {rank}: parameters differ: {differ}"
+        # Every step's secondaries (remade by the no_grad forward after it) are stock's chunks.
+        for made, wrong in z3["checks"]:
+            assert made > 0 and not wrong, (rank, made, wrong)
+        assert z3["secondaries_made"] > 0
+        # stats() counts them: after a no_grad forward every parameter holds its secondary (fp32).
+        assert z3["secondary_bytes"] == [z3["expected_bytes"]] * len(z3["checks"]), (z3["secondary_bytes"], z3["expected_bytes"])
+        # Gathers after the first of each step went to the intra-node group: the second micro-step's
+        # forward (and, without the hold, backward) re-gathers from the secondaries.
+        assert 0 < z3["secondary_collectives"] < z3["collectives"], (z3["secondary_collectives"], z3["collectives"])
+        assert z3["live_after"] == 0
+    assert hpz_runs[0]["stock"]["losses"][0] != hpz_runs[0]["stock"]["losses"][-1]
+    if variant == "nohold":  # backward re-gathers every module from its secondary
+        assert hpz_runs[0]["nohold"]["secondary_collectives"] > hpz_runs[0]["hold"]["secondary_collectives"]
+
+
+def halved_partition(z3ext_options):
+    """One step with every module released after its forward (stage3_max_reuse_distance 0), with one
+    of the partitions halved on every rank between forward and backward: the secondary or the primary
+    one (which the step then overwrites from the fp32 master copy), or none. A backward that
+    re-gathers from the secondary partitions trains differently when they are halved, and as
+    without the change when the primary ones are. Stock and z3ext keep different modules gathered
+    into backward (stock keeps the last ones), so each is compared with itself."""
+    import torch.distributed as dist
+    from tests.models import batch, full_params
+    rank = dist.get_rank()
+    out = {}
+    for system, z3ext in (("stock", False), ("z3ext", z3ext_options)):
+        for halved in (None, "secondary", "primary"):
+            engine = _build(_config(z3ext, {"stage3_max_reuse_distance": 0}, ga=1))
+            loss = engine(batch(0, rank))
+            n = 0
+            for p in engine.module.parameters():
+                part = {"secondary": p.ds_secondary_tensor, "primary": p.ds_tensor, None: None}[halved]
+                if part is not None:
+                    part.data.mul_(0.5)
+                    n += 1
+            engine.backward(loss)
+            engine.step()
+            out[(system, halved)] = dict(params={k: v.numpy() for k, v in full_params(engine).items()}, n=n)
+            engine.destroy()
+    return out
+
+
+def test_backward_reads_the_secondary_partition():
+    import numpy as np
+    results = run_on_ranks(halved_partition, world_size=WORLD, timeout=600, z3ext_options={"enabled": True})
+
+    def differ(a, b):
+        return [k for k in a["params"] if not np.array_equal(a["params"][k], b["params"][k])]
+
+    for rank, r in enumerate(results):
+        assert not differ(r[("stock", None)], r[("z3ext", None)]), f"rank {rank}: z3ext differs from stock"
+        for system in ("stock", "z3ext"):
+            clean = r[(system, None)]
+            assert r[(system, "secondary")]["n"] > 0 and r[(system, "primary")]["n"] > 0
+            assert differ(clean, r[(system, "secondary")]), f"{system}: halving the secondaries changed nothing"
+            assert not differ(clean, r[(system, "primary")]), \
+                f"rank {rank}: {system}'s backward read primary partitions: {differ(clean, r[(system, 'primary')])}"
