@@ -116,7 +116,7 @@ def make_input(a, device, tiny=False):
 
 
 # ---------------------------------------------------------------------------------------------- systems
-def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None, mel=False):
+def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None, mel=False, hpz=False):
     cfg = {
         "train_micro_batch_size_per_gpu": a.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -135,6 +135,8 @@ def ds_config(a, z3ext, z3ext_options=None, prefetch_bucket=None, mel=False):
         },
         "steps_per_print": 10**9,
     }
+    if hpz:  # ZeRO++ hpZ: a secondary partition per node of a.hpz ranks ([Note: hpZ secondary partition])
+        cfg["zero_optimization"]["zero_hpz_partition_size"] = a.hpz
     if a.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if a.gradient_clipping is not None:
@@ -170,9 +172,11 @@ def build_system(name, a, device):
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups",
-                                                "memberclaims", "blockclaims")]
+                                                "memberclaims", "blockclaims", "hpz")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
+    if "hpz" in variants and (a.hpz < 2 or base not in ("stock", "z3ext")):
+        raise ValueError(f"{name!r}: the hpz variant is for stock and z3ext, with --hpz M (M >= 2)")
     mel = "mel" in variants
     if base.split("@")[0] in ("stock", "z3ext"):
         # "z3ext@N": z3ext gathering up to N elements per collective (the unit-size sweep)
@@ -188,8 +192,11 @@ def build_system(name, a, device):
             options["fetch_group_numel"] = 0
         if "memberclaims" in variants or "blockclaims" in variants:
             options["fetch_group_claim_numel"] = 0 if "memberclaims" in variants else 10**12
-        cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel)
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
+        cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel, hpz="hpz" in variants)
+        from deepspeed.utils import groups
+        # DeepSpeed makes the hpZ intra-node group once per process: later hpZ engines reuse it.
+        hpz_group = groups._get_zero_param_intra_parallel_group() if "hpz" in variants else None
+        with deepspeed.zero.Init(config_dict_or_path=cfg, zero_param_parallel_group=hpz_group):
             model = make_model(a)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                           optimizer=lambda ps: _opt(ps, a, device))
@@ -340,6 +347,9 @@ def parse(argv=None):
                    help="simulated world's backend: simworld (collectives do nothing; the reported numbers) or "
                         "torch's fake (copies the input into every chunk: O(N x tensors) work, for comparison)")
     p.add_argument("--out", default=None, help="JSON path (default bench/out/<machine>.json, untracked)")
+    p.add_argument("--hpz", type=int, default=0, metavar="M",
+                   help="ZeRO++ hpZ for the systems named <stock|z3ext>...-hpz: nodes of M ranks "
+                        "(zero_hpz_partition_size); with --sim-world N, rank 0 of N in nodes of M")
     p.add_argument("--gradient-clipping", type=float, default=None,
                    help="DeepSpeed's gradient_clipping for stock and z3ext (default: DeepSpeed's, 1.0); FSDP2 and "
                         "unsharded never clip")
@@ -523,6 +533,9 @@ def run(a):
             st = deepspeed_z3ext.stats(systems[n].model)
             med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
             med["z3ext_collectives"] = st.collectives
+            if st.secondary_collectives or st.secondary_bytes:  # hpZ ([Note: hpZ secondary partition])
+                med["hpz_node_collectives"] = st.secondary_collectives
+                med["hpz_secondary_MiB"] = st.secondary_bytes / 2**20
             grads = deepspeed_z3ext.grad_stats(systems[n].model)
             if grads is not None:  # z3ext's gradient path: host ms per step in its flushes
                 med["grad_flushes_per_step"] = grads.flushes / steps_run[n]
@@ -607,6 +620,9 @@ def table(res, machine):
                 lines.append(f"  {n}: host {s[n]['us_per_unit_tiny_fwd']:.1f} us per fetch unit, "
                              f"{s[n]['us_per_param_tiny_fwd']:.1f} us per parameter (tiny forward)")
         for n, m in s.items():
+            if "hpz_node_collectives" in m:
+                lines.append(f"  {n}: hpZ {m['hpz_node_collectives']} of {m['z3ext_collectives']} all-gathers over the "
+                             f"node group, secondary partitions {m['hpz_secondary_MiB']:.1f} MiB now")
             if "grad_host_ms_per_step" in m:
                 lines.append(f"  {n}: gradient path {m['grad_flushes_per_step']:.1f} flushes, "
                              f"{m['grad_host_ms_per_step']:.2f} host ms per step")
