@@ -215,7 +215,7 @@ class GatherEngine {
       int64_t n = std::min(h->partition_numel, h->numel - start);
       at::NoGradGuard no_grad;
       part.reshape({-1}).narrow(0, 0, n).copy_(full.narrow(0, start, n));
-      if (h->secondary) make_secondary(*h, full);  // stock rewrites it too ([Note: hpZ secondary partition])
+      if (h->secondary) make_secondaries({h.get()}, false);  // stock rewrites it too ([Note: hpZ secondary partition])
       h->stale = false;  // its partition is its gathered value now
     }
     if (residency_) residency_->after_write_back(ids);
@@ -259,14 +259,13 @@ class GatherEngine {
   // checked handle left without claims and still gathered is released ([Note: true release]).
   template <class Handles, class Drop>
   int64_t drop_and_release(const Handles& handles, Drop&& drop) {
-    int64_t released = 0;
-    for (const auto& h : handles) {
-      if (drop(*h) && h->claims.empty() && h->bucket) {
-        release(*h);
-        ++released;
-      }
-    }
-    return released;
+    std::vector<ParamHandle*> released;
+    for (const auto& h : handles)
+      if (drop(*h) && h->claims.empty() && h->bucket) released.push_back(h.get());
+    if (released.empty()) return 0;
+    if (secondary_available_) make_secondaries(released, true);  // before their storages are emptied
+    for (auto* h : released) release(*h);
+    return static_cast<int64_t>(released.size());
   }
 
   // Claims one unshard call added, so that a gather that raises can take them back.
@@ -594,16 +593,43 @@ class GatherEngine {
         "GatheredParameters block, or keep a .clone()");
   }
 
-  // Sets the parameter's hpZ secondary partition to its chunk of the gathered flat `full`, made as
-  // stock's `_partition_param_sec` makes it (attributes included).
-  void make_secondary(ParamHandle& h, const at::Tensor& full) {
-    at::Tensor like = h.param.attr("ds_tensor").cast<at::Tensor>();
-    py::object sec = py::cast(copy_secondary_out(*h.secondary, full.reshape({-1}), h.numel, like));
-    sec.attr("ds_numel") = h.secondary->partition_numel;
-    sec.attr("status") = secondary_available_;
-    sec.attr("final_location") = py::none();
-    h.param.attr("ds_secondary_tensor") = sec;
-    stats_.secondaries_made++;
+  // Sets the hpZ secondary partitions of `hs` (gathered, about to be released or written back) to
+  // their chunks of the gathered storages, made as stock's `_partition_param_sec` makes them,
+  // attributes included. `missing_only`: a release, which makes one only where there is none.
+  void make_secondaries(const std::vector<ParamHandle*>& hs, bool missing_only) {
+    std::vector<ParamHandle*> need;
+    for (auto* h : hs)
+      if (h->secondary && h->full_live && (!missing_only || h->param.attr("ds_secondary_tensor").is_none()))
+        need.push_back(h);
+    while (!need.empty()) {  // one call per (dtype, device) of the primary partitions; one in practice
+      at::Tensor like = need.front()->param.attr("ds_tensor").cast<at::Tensor>();
+      std::vector<ParamHandle*> now, later;
+      std::vector<at::Tensor> fulls;
+      std::vector<int64_t> numels;
+      std::vector<const SecondaryPartition*> layouts;
+      for (auto* h : need) {
+        at::Tensor part = h == need.front() ? like : h->param.attr("ds_tensor").cast<at::Tensor>();
+        if (part.scalar_type() != like.scalar_type() || part.device() != like.device()) {
+          later.push_back(h);
+          continue;
+        }
+        h->bucket->wait_ready(h->tensor.device());  // the gather that wrote it
+        now.push_back(h);
+        fulls.push_back(h->full.reshape({-1}));
+        numels.push_back(h->numel);
+        layouts.push_back(&*h->secondary);
+      }
+      std::vector<at::Tensor> made = copy_secondaries_out(fulls, numels, layouts, like.options());
+      for (size_t i = 0; i < now.size(); ++i) {
+        py::object sec = py::cast(std::move(made[i]));
+        sec.attr("ds_numel") = now[i]->secondary->partition_numel;
+        sec.attr("status") = secondary_available_;
+        sec.attr("final_location") = py::none();
+        now[i]->param.attr("ds_secondary_tensor") = sec;
+      }
+      stats_.secondaries_made += static_cast<int64_t>(now.size());
+      need.swap(later);
+    }
   }
 
   // `h` (its data already set) is gathered into `bucket`.
@@ -616,8 +642,6 @@ class GatherEngine {
     const at::Device device = h.tensor.device();
     // A prefetch released unused: its memory is free for reuse only after the gather that wrote it.
     h.bucket->wait_ready(device);
-    if (h.secondary && h.full_live && h.param.attr("ds_secondary_tensor").is_none())
-      make_secondary(h, h.full);  // as stock's release ([Note: hpZ secondary partition])
     h.tensor.set_data(at::empty({0}, h.tensor.options()));
     h.param.attr("ds_status") = not_available_;
     h.bucket.reset();
