@@ -615,7 +615,7 @@ class GatherEngine {
         }
         h->bucket->wait_ready(h->tensor.device());  // the gather that wrote it
         now.push_back(h);
-        fulls.push_back(h->full.reshape({-1}));
+        fulls.push_back(h->full);  // 1-D already
         numels.push_back(h->numel);
         layouts.push_back(&*h->secondary);
       }

@@ -41,24 +41,32 @@ inline std::vector<at::Tensor> copy_secondaries_out(const std::vector<at::Tensor
                                                     const std::vector<const SecondaryPartition*>& secondaries,
                                                     const at::TensorOptions& like) {
   at::NoGradGuard no_grad;
+  std::vector<int64_t> sizes;
+  sizes.reserve(secondaries.size());
   int64_t total = 0;
-  for (const auto* s : secondaries) total += s->partition_numel;
-  at::Tensor flat = at::empty({total}, like);
-  std::vector<at::Tensor> out, dst, src;
-  out.reserve(fulls.size());
-  int64_t offset = 0;
-  for (size_t i = 0; i < fulls.size(); ++i) {
+  for (const auto* s : secondaries) {
+    sizes.push_back(s->partition_numel);
+    total += s->partition_numel;
+  }
+  std::vector<at::Tensor> out = at::empty({total}, like).split_with_sizes(sizes);  // one call for all views
+  std::vector<at::Tensor> dst, src;
+  dst.reserve(out.size());
+  src.reserve(out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
     const SecondaryPartition& s = *secondaries[i];
-    at::Tensor part = flat.narrow(0, offset, s.partition_numel);
-    offset += s.partition_numel;
     const int64_t start = s.rank * s.partition_numel;
     const int64_t n = std::max<int64_t>(0, std::min(s.partition_numel, numels[i] - start));
-    if (n > 0) {
-      dst.push_back(part.narrow(0, 0, n));
-      src.push_back(fulls[i].narrow(0, start, n));
+    if (n == 0) {
+      out[i].zero_();
+      continue;
     }
-    if (n < s.partition_numel) part.narrow(0, n, s.partition_numel - n).zero_();
-    out.push_back(std::move(part));
+    if (n < s.partition_numel) {  // the tail past ds_numel
+      out[i].narrow(0, n, s.partition_numel - n).zero_();
+      dst.push_back(out[i].narrow(0, 0, n));
+    } else {
+      dst.push_back(out[i]);
+    }
+    src.push_back(fulls[i].narrow(0, start, n));
   }
   if (!dst.empty()) at::_foreach_copy_(dst, src);
   return out;
