@@ -10,14 +10,14 @@ from tests.harness import run_on_ranks
 WORLD, HPZ = 4, 2
 
 
-def _build(config):
+def _build(config, seed=1234):
     """An engine whose model is built under zero.Init; the intra-node group DeepSpeed made for the
     first engine of the process is reused (DeepSpeed makes it once per process)."""
     import torch
     import deepspeed
     from deepspeed.utils import groups
     from tests.models import TinyGPT, build_engine
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     with deepspeed.zero.Init(config_dict_or_path=config,
                              zero_param_parallel_group=groups._get_zero_param_intra_parallel_group()):
         model = TinyGPT(hidden=42, heads=3)  # sizes 42, 126: padded partitions, secondary chunks past ds_numel
@@ -92,9 +92,11 @@ def compare_hpz_with_stock(variants, steps=3):
     for name, (z3ext, zero_extra, mel) in {"stock": (False, None, False), **variants}.items():
         engine, losses, params, checks = run(_config(z3ext, zero_extra, mel=mel))
         checks, secondary_bytes = checks
-        expected_bytes = sum(4 * -(-p.ds_numel // WORLD) * (WORLD // HPZ) for p in engine.module.parameters())
+        expected_bytes = sum(4 * -(-p.ds_numel // WORLD) * (WORLD // HPZ) for p in engine.module.parameters()
+                             if not p.ds_persist)  # a persistent parameter is never released
+        persistent_bytes = sum(4 * -(-p.ds_numel // WORLD) * WORLD for p in engine.module.parameters() if p.ds_persist)
         r = dict(losses=losses, params={n: p.numpy() for n, p in params.items()}, checks=checks,
-                 secondary_bytes=secondary_bytes, expected_bytes=expected_bytes)
+                 secondary_bytes=secondary_bytes, expected_bytes=expected_bytes, persistent_bytes=persistent_bytes)
         if z3ext:
             s = engine.optimizer.parameter_offload.z3ext.engine.stats()
             r.update(collectives=s["collectives"], secondary_collectives=s["secondary_collectives"],
@@ -109,6 +111,8 @@ VARIANTS = {
     "nohold": ({"enabled": True, "hold_for_backward": False}, None, False),
     "partial-mel": ({"enabled": True}, {"stage3_max_live_parameters": 12000, "stage3_prefetch_bucket_size": 6000}, True),
     "reuse0": ({"enabled": True}, {"stage3_max_reuse_distance": 0}, False),
+    # Persistent parameters stay gathered and are re-gathered from their primaries after the step.
+    "persist": ({"enabled": True}, {"stage3_param_persistence_threshold": 1000}, False),
 }
 
 
@@ -130,13 +134,14 @@ def test_hpz_bitwise_equal_to_stock(hpz_runs, variant):
         for made, wrong in z3["checks"]:
             assert made > 0 and not wrong, (rank, made, wrong)
         assert z3["secondaries_made"] > 0
-        # stats() counts them: after a no_grad forward every parameter holds its secondary (fp32).
+        # stats() counts them: after a no_grad forward every released parameter holds its secondary (fp32).
         assert z3["secondary_bytes"] == [z3["expected_bytes"]] * (len(z3["checks"]) // 2), (z3["secondary_bytes"], z3["expected_bytes"])
         # Gathers after the first of each step went to the intra-node group: the second micro-step's
         # forward (and, without the hold, backward) re-gathers from the secondaries.
         assert 0 < z3["secondary_collectives"] < z3["collectives"], (z3["secondary_collectives"], z3["collectives"])
-        assert z3["live_after"] == 0
+        assert z3["live_after"] == z3["persistent_bytes"]  # only persistent parameters stay gathered
     assert hpz_runs[0]["stock"]["losses"][0] != hpz_runs[0]["stock"]["losses"][-1]
+    assert (hpz_runs[0][variant]["persistent_bytes"] > 0) == (variant == "persist")
     if variant == "nohold":  # backward re-gathers every module from its secondary
         assert hpz_runs[0]["nohold"]["secondary_collectives"] > hpz_runs[0]["hold"]["secondary_collectives"]
 
@@ -184,3 +189,36 @@ def test_backward_reads_the_secondary_partition():
             assert differ(clean, r[(system, "secondary")]), f"{system}: halving the secondaries changed nothing"
             assert not differ(clean, r[(system, "primary")]), \
                 f"rank {rank}: {system}'s backward read primary partitions: {differ(clean, r[(system, 'primary')])}"
+
+
+def checkpoint_round_trip(ckpt_root):
+    """Two steps, save_checkpoint, a new engine with other initial values, load_checkpoint (which drops
+    the secondaries, as the step does), two more steps; stock and z3ext each save and load their own."""
+    import os
+    import torch.distributed as dist
+    from tests.models import batch, full_params
+    from tests.training import train
+    rank = dist.get_rank()
+    out = {}
+    for name, z3ext in (("stock", False), ("z3ext", {"enabled": True, "hold_for_backward": False})):
+        ckpt = os.path.join(ckpt_root, name)
+        engine = _build(_config(z3ext))
+        losses = train(engine, 2, lambda i: batch(i, rank), ga=2)
+        engine.save_checkpoint(ckpt, tag="hpz")
+        engine.destroy()
+        engine = _build(_config(z3ext), seed=99)  # only the checkpoint can make it right
+        engine.load_checkpoint(ckpt, tag="hpz")
+        losses += train(engine, 2, lambda i: batch(i, rank), ga=2, first_step=2)
+        out[name] = dict(losses=losses, params={k: v.numpy() for k, v in full_params(engine).items()},
+                         secondaries=sum(p.ds_secondary_tensor is not None for p in engine.module.parameters()))
+        engine.destroy()
+    return out
+
+
+def test_hpz_checkpoint_round_trip(tmp_path):
+    import numpy as np
+    results = run_on_ranks(checkpoint_round_trip, world_size=WORLD, timeout=600, ckpt_root=str(tmp_path))
+    for rank, r in enumerate(results):
+        assert r["z3ext"]["losses"] == r["stock"]["losses"], f"rank {rank}: losses differ"
+        differ = [k for k in r["stock"]["params"] if not np.array_equal(r["stock"]["params"][k], r["z3ext"]["params"][k])]
+        assert not differ, f"rank {rank}: parameters differ after the round trip: {differ}"
