@@ -10,9 +10,11 @@ from tests.harness import run_on_ranks
 WORLD, HPZ = 4, 2
 
 
-def _build(config, seed=1234):
+def _build(config, seed=1234, frozen=""):
     """An engine whose model is built under zero.Init; the intra-node group DeepSpeed made for the
-    first engine of the process is reused (DeepSpeed makes it once per process)."""
+    first engine of the process is reused (DeepSpeed makes it once per process). Parameters whose
+    names start with `frozen` do not train (as LoRA's base weights): DeepSpeed never drops their
+    secondaries, so every gather after the first reads them."""
     import torch
     import deepspeed
     from deepspeed.utils import groups
@@ -21,6 +23,9 @@ def _build(config, seed=1234):
     with deepspeed.zero.Init(config_dict_or_path=config,
                              zero_param_parallel_group=groups._get_zero_param_intra_parallel_group()):
         model = TinyGPT(hidden=42, heads=3)  # sizes 42, 126: padded partitions, secondary chunks past ds_numel
+    for n, p in model.named_parameters():
+        if frozen and n.startswith(frozen):
+            p.requires_grad_(False)
     return build_engine(config, model=model)
 
 
@@ -53,7 +58,7 @@ def _secondary_errors(engine):
     return len(secondaries), wrong
 
 
-def compare_hpz_with_stock(variants, steps=3):
+def compare_hpz_with_stock(variants, steps=3, frozen=""):
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -63,7 +68,7 @@ def compare_hpz_with_stock(variants, steps=3):
     rank = dist.get_rank()
 
     def run(config):
-        engine = _build(config)
+        engine = _build(config, frozen=frozen)
         checks = []
         secondary_bytes = []
 
@@ -77,7 +82,7 @@ def compare_hpz_with_stock(variants, steps=3):
                 secondary_bytes.append(deepspeed_z3ext.stats(engine).secondary_bytes)
             # Rank 0 edits every parameter (as a checkpoint load through GatheredParameters does):
             # the write-back must rewrite the secondaries, which the next forward reads.
-            params = list(engine.module.parameters())
+            params = [p for p in engine.module.parameters() if p.requires_grad]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
                 if rank == 0:
                     for p in params:
@@ -98,6 +103,8 @@ def compare_hpz_with_stock(variants, steps=3):
         r = dict(losses=losses, params={n: p.numpy() for n, p in params.items()}, checks=checks,
                  secondary_bytes=secondary_bytes, expected_bytes=expected_bytes, persistent_bytes=persistent_bytes)
         if z3ext:
+            r["frozen_secondaries"] = sum(p.ds_secondary_tensor is not None for p in engine.module.parameters()
+                                          if not p.requires_grad)  # after the last step: kept
             s = engine.optimizer.parameter_offload.z3ext.engine.stats()
             r.update(collectives=s["collectives"], secondary_collectives=s["secondary_collectives"],
                      secondaries_made=s["secondaries_made"], live_after=deepspeed_z3ext.stats(engine).live_bytes)
@@ -222,3 +229,17 @@ def test_hpz_checkpoint_round_trip(tmp_path):
         assert r["z3ext"]["losses"] == r["stock"]["losses"], f"rank {rank}: losses differ"
         differ = [k for k in r["stock"]["params"] if not np.array_equal(r["stock"]["params"][k], r["z3ext"]["params"][k])]
         assert not differ, f"rank {rank}: parameters differ after the round trip: {differ}"
+
+
+def test_hpz_frozen_parameters_keep_their_secondaries():
+    """Frozen blocks (LoRA's base weights): their secondaries outlive the steps, as in stock."""
+    import numpy as np
+    variants = {"hold": VARIANTS["hold"], "nohold": VARIANTS["nohold"]}
+    results = run_on_ranks(compare_hpz_with_stock, world_size=WORLD, timeout=600, variants=variants,
+                           frozen="blocks.0.")
+    for rank, r in enumerate(results):
+        for name in variants:
+            assert r[name]["losses"] == r["stock"]["losses"], f"rank {rank}, {name}: losses differ"
+            differ = [n for n in r["stock"]["params"] if not np.array_equal(r["stock"]["params"][n], r[name]["params"][n])]
+            assert not differ, f"rank {rank}, {name}: parameters differ: {differ}"
+            assert r[name]["frozen_secondaries"] > 0, r[name]["frozen_secondaries"]
