@@ -14,7 +14,9 @@ times: the accelerator is synchronised after the call, so the latency is real an
 training, as stock's does. The latency covers the whole op, so a gather's includes its claim
 bookkeeping. One `unshard_batch` that issued several collectives (one per process group and dtype)
 is recorded as that many records of equal shares of its bytes and time: the op reports how many it
-issued, not each one's size. Off (the default), nothing is wrapped: the gather engine is DeepSpeed-
+issued, not each one's size. A ZeRO++ hpZ gather over the node group sends a node-th of the buffers
+([Note: hpZ secondary partition]); a call of node gathers only is recorded so, a mixed one as
+gathers over the world. Off (the default), nothing is wrapped: the gather engine is DeepSpeed-
 unaware C++.
 """
 import time
@@ -53,9 +55,10 @@ class LoggedGatherEngine:
     """The C++ GatherEngine with its gathering calls recorded as `all_gather_into_tensor`; everything
     else is the engine's own. Made per z3ext engine when the comms logger is on as it is built."""
 
-    def __init__(self, engine, world):
+    def __init__(self, engine, world, node_world=None):
         self._engine = engine
         self._world = world
+        self._node_world = node_world or world  # hpZ's intra-node group
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -72,7 +75,9 @@ class LoggedGatherEngine:
         n = after["collectives"] - before["collectives"]
         if n > 0 and self._world > 1:
             # live_bytes grew by the full buffers gathered; each rank's input is a world-th of them
-            _record(ALL_GATHER, seconds, max(0, after["live_bytes"] - before["live_bytes"]) // self._world, n)
+            node = after["secondary_collectives"] - before["secondary_collectives"] == n
+            _record(ALL_GATHER, seconds,
+                    max(0, after["live_bytes"] - before["live_bytes"]) // (self._node_world if node else self._world), n)
         return out
 
     def unshard(self, *args, **kwargs):

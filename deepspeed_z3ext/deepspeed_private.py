@@ -31,6 +31,14 @@ def forward_module_stack() -> list:
     return parameter_offload.FWD_MODULE_STACK
 
 
+def hpz_node_world():
+    """The size of DeepSpeed's process-global ZeRO++ hpZ intra-node group; None before one is made."""
+    from deepspeed.utils import groups
+    if groups._get_zero_param_intra_parallel_group() is None:
+        return None
+    return groups._get_zero_param_intra_parallel_group_world_size()
+
+
 def grad_partitions(optimizer):
     """The stage-3 optimizer's ds_id -> gradient partition map, or None (no such optimizer)."""
     return getattr(optimizer, _GRAD_PARTITIONS, None)

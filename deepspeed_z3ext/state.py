@@ -16,6 +16,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext import claims, comms
+from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext import entry
 
@@ -76,7 +77,7 @@ class Z3extState:
         self.module = module
         self.engine = ops().GatherEngine(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
         if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
-            self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size())
+            self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size(), private.hpz_node_world())
         self._units = {}  # id(module) -> (key, FetchUnit, its own parameters)
         self.groups = {}  # id(owner module) -> groups.FetchGroup ([Note: fetch groups])
         self.coordinator = None  # set by Z3extZeRoOffload
