@@ -106,7 +106,8 @@ if [[ $what == simworld ]]; then
   budget=${SIM_BUDGET:-570}
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}  # SIM_BIG, SIM_EXTRA: CPU dry runs
   results=()
-  # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups")
+  # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups");
+  # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19)
   IFS=';' read -ra runs <<< "${SIM_RUNS:-0.94B 8;6.7B 8;6.7B 64;0.94B 64}"
   for run in "${runs[@]}"; do
     set -- $run
