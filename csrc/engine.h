@@ -418,7 +418,6 @@ class GatherEngine {
     for (auto& g : groups) gather_group(g.params, defer, g.secondary);
   }
 
-
   // [Note: parameter-major buckets] One coalesced all-gather fills a bucket: input i is parameter
   // i's partition itself and output i the parameter's own gathered storage (`full`: the `world`
   // partitions of its padded flat tensor), so a parameter is a view of its storage. No staging
