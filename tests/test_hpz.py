@@ -1,8 +1,10 @@
 """ZeRO++ hpZ (`zero_hpz_partition_size`) under z3ext on 4 real gloo ranks as 2 "nodes" of 2
 ([Note: hpZ secondary partition] in csrc/secondary.h): losses and final parameters bitwise equal to
-stock's hpZ, module gathers read the secondary partition over the intra-node group (a corrupted
-secondary changes backward exactly as it changes stock's), and the secondary partitions z3ext makes
-are stock's: the rank's chunk of the full value, zero past ds_numel."""
+stock's hpZ (hold on, off, partial; reuse distance 0; persistent and frozen parameters; an edit
+through GatheredParameters; a checkpoint round trip); module gathers read the secondary partition
+over the intra-node group (halving the secondaries between forward and backward changes training,
+halving the primaries does not, in stock as in z3ext); and the secondary partitions z3ext makes are
+stock's: the rank's chunk of the full value, zero past ds_numel."""
 import pytest
 
 from tests.harness import run_on_ranks
