@@ -25,6 +25,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "hf_train.py"
 def _env(**extra):
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # an abort prints every thread's Python stack
     env.pop("DEEPSPEED_Z3EXT_AUTO", None)
     env.update(extra)
     return env
