@@ -2,6 +2,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/functional.h>
 #include "aio.h"
+#include "backward_count.h"
 #include "boundary.h"
 #include "engine.h"
 #include "oom.h"
@@ -19,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   m.def("input_boundary", &input_boundary, py::arg("tensor"));
+  m.def("count_used_in_backward", &count_used_in_backward, py::arg("params"));  // [Note: backward hook count]
   m.def(
       "reduce_scatter_grads",
       [](const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests,

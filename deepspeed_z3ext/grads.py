@@ -538,3 +538,17 @@ def unscale(stock):
         return stock(self, sub_group_id, total_norm)
 
     return unscale_and_clip_grads
+
+
+def count_used_parameters(stock):
+    """DeepSpeed's stage-3 gradient hooks count the parameters the running backward reaches: for a
+    z3ext engine's parameters, in one C++ call ([Note: backward hook count] in csrc/backward_count.h)."""
+
+    def count_used_parameters_in_backward(parameters):
+        if parameters and of_param(parameters[0]) is not None:
+            used = ops().count_used_in_backward(parameters)
+            if used is not None:
+                return used
+        return stock(parameters)
+
+    return count_used_parameters_in_backward

@@ -85,6 +85,38 @@ def _input_boundary(args, boundary):
     return None if out is args else out
 
 
+# [Note: eager hooks] z3ext's hooks must never be traced by Dynamo (they gather, release and claim),
+# so they are `torch.compiler.disable`d. The disabled wrapper swaps the frame-evaluation callback out
+# and back on every call (`set_eval_frame` three times), about 4 us per hook call on a VM core,
+# two hook calls per module per forward: ~8 % of a tiny forward. In eager, where there is no callback
+# to swap, the hook runs its body directly; under a compiled region, where the callback is set,
+# through the disabled wrapper. Dynamo sees the same marks on it as on a disabled function (it
+# refuses to inline it, with a graph break) whether or not it is running.
+_frame_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_frame_callback = getattr(_frame_callback, "get_eval_frame_callback", None)
+_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+
+
+def _never_traced(fn):
+    disabled = torch.compiler.disable(fn)
+    if _frame_callback is None:
+        return disabled
+    callback = _frame_callback
+
+    def hook(*args):
+        if callback() is None:
+            return fn(*args)
+        return disabled(*args)
+
+    if _skip_code is not None:
+        _skip_code(hook.__code__)  # called outside a traced frame (after a graph break): not a frame to compile
+    for attr in ("_torchdynamo_disable", "_torchdynamo_disable_msg", "_torchdynamo_orig_callable",
+                 "_torchdynamo_disable_recursive"):
+        if hasattr(disabled, attr):
+            setattr(hook, attr, getattr(disabled, attr))
+    return hook
+
+
 def register(offload, module):
     """Numbers the module tree (ds_id) and registers z3ext's hooks on every module; handles go to the
     offload's `forward_hooks`, which DeepSpeed removes and re-registers through this same method."""
@@ -106,14 +138,14 @@ def register(offload, module):
 
     stack = private.forward_module_stack()
 
-    @torch.compiler.disable
+    @_never_traced
     def _pre_forward(m, args):
         stack.append(m)
         offload.param_coordinator.fetch_sub_module(m, forward=True)
         if torch.is_grad_enabled():
             return _input_boundary(args, boundary)
 
-    @torch.compiler.disable
+    @_never_traced
     def _post_forward(m, args, output):
         raised = output is None and sys.exc_info()[0] is not None
         if stack and stack[-1] is m:

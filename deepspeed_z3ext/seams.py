@@ -1,7 +1,8 @@
 """Every place z3ext changes DeepSpeed's code, in one table ([Note: seams]).
 
-[Note: seams] z3ext plugs into DeepSpeed by replacing the attributes of DeepSpeed classes listed in
-`_table`, at `import deepspeed_z3ext` (`install`); `deepspeed_z3ext.uninstall()` puts DeepSpeed's own
+[Note: seams] z3ext plugs into DeepSpeed by replacing the attributes of DeepSpeed classes (and one
+function stage 3 calls by its module-global name) listed in `_table`, at `import deepspeed_z3ext`
+(`install`); `deepspeed_z3ext.uninstall()` puts DeepSpeed's own
 back. Every replacement falls through to DeepSpeed's code for what is not z3ext's (a config without
 `"z3ext"`, a parameter of no z3ext engine, a stock engine), so stock and z3ext engines can share a
 process. A replacement is built from the attribute it replaces (`build(stock)`), so it reaches
@@ -22,7 +23,7 @@ from deepspeed_z3ext.errors import Z3extError
 
 
 class Seam(NamedTuple):
-    owner: type                  # the DeepSpeed class whose attribute is replaced
+    owner: Any                   # the DeepSpeed class (or module, for a function its code calls by name) whose attribute is replaced
     attr: str
     build: Callable[[Any], Any]  # DeepSpeed's attribute -> its replacement
     why: str
@@ -71,6 +72,7 @@ def _table():
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload, ZeROOrderedDict
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from deepspeed.runtime.zero import stage3
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from deepspeed_z3ext import config, external, fallback, gathered, grads, norm, offload, swap
@@ -111,6 +113,9 @@ def _table():
              "gradient's copy too ([Note: fused unscale])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", norm.get_norm_groups,
              "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
+        Seam(stage3, "count_used_parameters_in_backward", grads.count_used_parameters,
+             "the gradient hooks' count of the parameters a backward reaches, in one C++ call "
+             "([Note: backward hook count])"),
     ]
 
 
@@ -142,7 +147,7 @@ def uninstall():
     if live:
         raise Z3extError(f"z3ext: cannot uninstall while {len(live)} z3ext engine(s) are alive "
                          f"(models: {sorted({type(s.module).__name__ for s in live})}); call engine.destroy() first")
-    moved = [f"{i.seam.owner.__qualname__}.{i.seam.attr}" for i in _installed
+    moved = [f"{_name(i.seam.owner)}.{i.seam.attr}" for i in _installed
              if i.seam.owner.__dict__.get(i.seam.attr) is not i.replacement]
     if moved:
         raise Z3extError(f"z3ext: {', '.join(moved)} were replaced by someone else after z3ext installed its "
@@ -159,4 +164,8 @@ def uninstall():
 
 def installed() -> list:
     """`(class name, attribute, why)` of each installed seam."""
-    return [(i.seam.owner.__qualname__, i.seam.attr, i.seam.why) for i in _installed]
+    return [(_name(i.seam.owner), i.seam.attr, i.seam.why) for i in _installed]
+
+
+def _name(owner) -> str:
+    return getattr(owner, "__qualname__", None) or owner.__name__

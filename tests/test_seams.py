@@ -13,7 +13,7 @@ from tests.harness import run_on_ranks
 from tests.test_lifecycle import HIDDEN, _stack_model  # 3 addmm layers: each saves its weight itself
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "deepspeed_z3ext"
-SEAMS = [  # (module, class, attribute): what seams.py replaces
+SEAMS = [  # (module, class or None for the module itself, attribute): what seams.py replaces
     ("deepspeed.runtime.config", "DeepSpeedConfig", "_do_sanity_check"),
     ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "__new__"),
     ("deepspeed.runtime.zero.partition_parameters", "GatheredParameters", "__enter__"),
@@ -31,12 +31,13 @@ SEAMS = [  # (module, class, attribute): what seams.py replaces
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),
+    ("deepspeed.runtime.zero.stage3", None, "count_used_parameters_in_backward"),  # a module global
 ]
 
 
 def _classes():
     import importlib
-    return [(getattr(importlib.import_module(m), c), a) for m, c, a in SEAMS]
+    return [(getattr(importlib.import_module(m), c) if c else importlib.import_module(m), a) for m, c, a in SEAMS]
 
 
 def _snapshot():
