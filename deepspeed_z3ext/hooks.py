@@ -87,11 +87,12 @@ def _input_boundary(args, boundary):
 
 # [Note: eager hooks] z3ext's hooks must never be traced by Dynamo (they gather, release and claim),
 # so they are `torch.compiler.disable`d. The disabled wrapper swaps the frame-evaluation callback out
-# and back on every call (`set_eval_frame` three times), about 4 us per hook call on a VM core,
-# two hook calls per module per forward: ~8 % of a tiny forward. In eager, where there is no callback
-# to swap, the hook runs its body directly; under a compiled region, where the callback is set,
-# through the disabled wrapper. Dynamo sees the same marks on it as on a disabled function (it
-# refuses to inline it, with a graph break) whether or not it is running.
+# and back on every call: on the 2-core VM an `nn.Linear(4, 4)` call takes 5.2 us without hooks, 7.0
+# with two plain hooks and 8.2 with two disabled ones, two hook calls per module per forward. In
+# eager, where there is no callback to swap, the hook runs its body directly; under a compiled region,
+# where the callback is set, through the disabled wrapper. Dynamo sees the disabled function's marks
+# on it (it refuses to inline it, with the same graph break), and its code is skipped as a frame of
+# its own (called eagerly after a graph break). tests/test_compile.py compiles a z3ext engine.
 _frame_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _frame_callback = getattr(_frame_callback, "get_eval_frame_callback", None)
 _skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)

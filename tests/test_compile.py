@@ -364,6 +364,43 @@ def test_two_engines_keep_their_own_fallback_state():
 
 
 # --------------------------------------------------------------------------- config
+def torch_compiled():
+    """A z3ext engine under `engine.compile()` (torch.compile of the module, z3ext's hooks on it; Dynamo's
+    eager backend, which runs the traced graphs as they are) against stock eager ZeRO-3."""
+    import torch
+    from tests.models import build_engine, ds_config, full_params
+    from tests.training import train as train_steps
+    out = {}
+    stock = build_engine(ds_config(persistence=0, mel=False))
+    out["stock_losses"] = train_steps(stock, 3, _batch, ga=2)
+    stock_params = full_params(stock)
+    stock.destroy()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    z3 = build_engine(ds_config(z3ext=True, persistence=0, mel=False))
+    z3.compile(backend="eager")
+    out["z3_losses"] = train_steps(z3, 3, _batch, ga=2)
+    z3_params = full_params(z3)
+    out["params_equal"] = [n for n in stock_params if not torch.equal(stock_params[n], z3_params[n])] or True
+    counters = torch._dynamo.utils.counters
+    out["graphs"] = counters["stats"].get("unique_graphs", 0)
+    out["breaks"] = [str(k)[:300] for k in counters["graph_break"]]
+    import deepspeed_z3ext
+    out["collectives"] = deepspeed_z3ext.stats(z3).collectives
+    z3.destroy()
+    return out
+
+
+def test_torch_compiled_engine_trains_like_stock_and_never_traces_the_hooks():
+    """[Note: eager hooks]: the hooks run outside Dynamo's graphs (a graph break at each, as disabled
+    functions), never as frames of their own."""
+    for r in run_on_ranks(torch_compiled):
+        assert r["graphs"] > 0 and r["collectives"] > 0, r
+        assert r["z3_losses"] == r["stock_losses"], (r["z3_losses"], r["stock_losses"])
+        assert r["params_equal"] is True, r["params_equal"]
+        assert not [b for b in r["breaks"] if "eval_frame" in b or "deepspeed_z3ext" in b], r["breaks"]
+
+
 def test_config_refuses_untested_deepcompile_options_and_validates_the_key():
     import deepspeed_z3ext
     from deepspeed_z3ext.config import parse_section
