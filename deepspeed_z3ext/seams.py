@@ -2,11 +2,11 @@
 
 [Note: seams] z3ext plugs into DeepSpeed by replacing the attributes of DeepSpeed classes (and one
 function stage 3 calls by its module-global name) listed in `_table`, at `import deepspeed_z3ext`
-(`install`); `deepspeed_z3ext.uninstall()` puts DeepSpeed's own
-back. Every replacement falls through to DeepSpeed's code for what is not z3ext's (a config without
-`"z3ext"`, a parameter of no z3ext engine, a stock engine), so stock and z3ext engines can share a
-process. A replacement is built from the attribute it replaces (`build(stock)`), so it reaches
-DeepSpeed's version without a module global and this table is the only record of what was there.
+(`install`); `deepspeed_z3ext.uninstall()` puts DeepSpeed's own back. Every replacement falls through to
+DeepSpeed's code for what is not z3ext's (a config without `"z3ext"`, a parameter of no z3ext engine, a
+stock engine), so stock and z3ext engines can share a process. A replacement is built from the attribute
+it replaces (`build(stock)`), so it reaches DeepSpeed's version without a module global and this table
+is the only record of what was there.
 The `__new__` seams dispatch at construction (DeepSpeed builds these objects in several places, and
 its isinstance checks stay true); all go through `_dispatch_new`, which reads the argument it needs
 by name from the stock constructor's signature, never by guessing its position.
@@ -23,7 +23,7 @@ from deepspeed_z3ext.errors import Z3extError
 
 
 class Seam(NamedTuple):
-    owner: Any                   # the DeepSpeed class (or module, for a function its code calls by name) whose attribute is replaced
+    owner: Any                   # the DeepSpeed class (or module: a global its code calls) whose attribute is replaced
     attr: str
     build: Callable[[Any], Any]  # DeepSpeed's attribute -> its replacement
     why: str
