@@ -93,8 +93,8 @@ def _input_boundary(args, boundary):
 # where the callback is set, through the disabled wrapper. Dynamo sees the disabled function's marks
 # on it (it refuses to inline it, with the same graph break), and its code is skipped as a frame of
 # its own (called eagerly after a graph break). tests/test_compile.py compiles a z3ext engine.
-_frame_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-_frame_callback = getattr(_frame_callback, "get_eval_frame_callback", None)
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_frame_callback = getattr(_eval_frame, "get_eval_frame_callback", None)
 _skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
 
 
@@ -102,10 +102,8 @@ def _never_traced(fn):
     disabled = torch.compiler.disable(fn)
     if _frame_callback is None:
         return disabled
-    callback = _frame_callback
-
     def hook(*args):
-        if callback() is None:
+        if _frame_callback() is None:
             return fn(*args)
         return disabled(*args)
 
