@@ -7,7 +7,10 @@
 #pragma once
 #include <torch/extension.h>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
+#include <vector>
 
 #ifdef Z3EXT_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -17,6 +20,52 @@
 
 namespace z3ext {
 
+#ifdef Z3EXT_WITH_CUDA
+// [Note: event pool] Every gather batch records two events (the compute stream's point its gather
+// stream waits for, and the gather's completion); a new CUDAEvent is a cudaEventCreate at its first
+// record and a cudaEventDestroy when the last fence holding it goes. Events come from a pool per device
+// instead and return to it when no fence holds them: nothing can wait on an event no fence holds, and a
+// wait already queued (cudaStreamWaitEvent) is on the record it saw, not on later ones.
+class EventPool {
+ public:
+  static std::shared_ptr<at::cuda::CUDAEvent> take(c10::DeviceIndex device) {
+    EventPool& pool = instance();
+    at::cuda::CUDAEvent* event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pool.mutex_);
+      auto& free = pool.free_[device];
+      if (!free.empty()) {
+        event = free.back();
+        free.pop_back();
+      }
+    }
+    if (event == nullptr) event = new at::cuda::CUDAEvent(cudaEventDisableTiming);
+    return std::shared_ptr<at::cuda::CUDAEvent>(event, [device](at::cuda::CUDAEvent* e) { instance().give(device, e); });
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 256;
+  // Never destroyed: a fence held by a Python object can outlive static destruction at exit.
+  static EventPool& instance() {
+    static EventPool* pool = new EventPool();
+    return *pool;
+  }
+  void give(c10::DeviceIndex device, at::cuda::CUDAEvent* event) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_[device];
+      if (free.size() < kMaxFree) {
+        free.push_back(event);
+        return;
+      }
+    }
+    delete event;
+  }
+  std::mutex mutex_;
+  std::unordered_map<c10::DeviceIndex, std::vector<at::cuda::CUDAEvent*>> free_;
+};
+#endif
+
 // An event recorded on some stream; empty on CPU, where every operation is synchronous.
 class Fence {
  public:
@@ -25,7 +74,7 @@ class Fence {
     Fence f;
 #ifdef Z3EXT_WITH_CUDA
     if (device.is_cuda()) {
-      f.event_ = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
+      f.event_ = EventPool::take(device.index());  // [Note: event pool]
       f.event_->record(c10::cuda::getCurrentCUDAStream(device.index()));
     }
 #endif

@@ -244,7 +244,7 @@ class GatherEngine {
   std::vector<std::string> stale_references() const {
     std::vector<std::string> names;
     for (const auto& h : handles_)
-      if ((!h->bucket && h->full.defined() && h->full.storage().use_count() > 1) ||
+      if ((!h->bucket && h->full.defined() && h->full.storage().use_count() > 1 + owns_view(*h)) ||
           (h->user_storage.has_value() && !h->user_storage->expired()))
         names.push_back(h->name);
     return names;
@@ -390,7 +390,7 @@ class GatherEngine {
   // [Note: persistent buckets] Persistent parameters are gathered in collectives of their own: a
   // bucket's fence is shared by its parameters, and a persistent one is never released.
   void gather(const std::vector<ParamHandle*>& params, bool defer, bool secondary_ok) {
-    using Key = std::tuple<c10d::ProcessGroup*, at::ScalarType, std::string, bool>;
+    using Key = std::tuple<c10d::ProcessGroup*, at::ScalarType, at::Device, bool>;
     std::vector<Key> keys;
     std::vector<GatherGroup> groups;
     for (auto* h : params) {
@@ -405,7 +405,7 @@ class GatherEngine {
                                  std::to_string(expected) +
                                  " (quantized or offloaded-to-NVMe partitions are not supported)");
       c10d::ProcessGroup* pg = secondary ? h->secondary->group.get() : h->group.get();
-      Key key{pg, part.scalar_type(), h->tensor.device().str(), h->persist};
+      Key key{pg, part.scalar_type(), h->tensor.device(), h->persist};
       auto it = std::find(keys.begin(), keys.end(), key);
       if (it == keys.end()) {
         keys.push_back(key);
@@ -500,7 +500,7 @@ class GatherEngine {
         stats_.refreshed++;
         continue;
       }
-      h->tensor.set_data(outs[i].narrow(0, 0, h->numel).view(h->shape));
+      h->tensor.set_data(gathered_view(*h));
       adopt(*h, bucket);
       stats_.gathered_params++;
     }
@@ -578,6 +578,7 @@ class GatherEngine {
     h.module_claimed = false;
     if (h.parked.defined() || !module_claimed) {  // dropped as stock drops: its readers keep its bytes
       h.user_storage = h.full.storage().getWeakStorageImpl();  // leak_check names it while a reader holds it
+      h.full_view = at::Tensor();  // z3ext keeps no reference to it
       h.full = h.parked;  // the module storage (released, 0 bytes) or none
       h.parked = at::Tensor();
       return;
@@ -585,11 +586,43 @@ class GatherEngine {
     c10::StorageImpl* s = h.full.storage().unsafeGetStorageImpl();
     s->set_data_ptr_noswap(at::DataPtr(nullptr, h.full.device()));  // frees the memory
     s->set_nbytes(0);
-    mark_access_error(s, 0,
-        "z3ext: " + h.describe() +
-        " was released (ZeRO-3): this tensor is a view of its gathered storage, which holds no memory "
-        "until the parameter is gathered again. Read it inside the module's forward, a "
-        "GatheredParameters block, or keep a .clone()");
+    if (h.released_msg.empty())
+      h.released_msg = "z3ext: " + h.describe() +
+                       " was released (ZeRO-3): this tensor is a view of its gathered storage, which holds no memory "
+                       "until the parameter is gathered again. Read it inside the module's forward, a "
+                       "GatheredParameters block, or keep a .clone()";
+    mark_access_error(s, 0, h.released_msg);
+  }
+
+  // [Note: handle views] A gather sets a parameter's `.data` to a parameter-shaped view of its gathered
+  // storage `full`, a release to an empty placeholder (DeepSpeed's NOT_AVAILABLE `.data`). Each view or
+  // `at::empty({0})` is a dispatcher call and a new TensorImpl (on the CPU VM ~5k instructions per
+  // parameter of the ~16k a gather cost; on the H200's host `aten::empty` was 6 us a call under the
+  // profiler, once per parameter per release). Since `full` keeps one StorageImpl for the handle's life
+  // ([Note: true release]), both are made once and set again (set_data copies their metadata into the
+  // parameter; the parameter's version counter stays its own). The view is made again when `full` is
+  // another storage (a user-only gather's, [Note: user views], dropped with it at its release), the
+  // placeholder when the parameter's dtype or device changed or something grew its storage.
+  const at::Tensor& gathered_view(ParamHandle& h) {
+    if (!h.full_view.defined() ||
+        h.full_view.storage().unsafeGetStorageImpl() != h.full.storage().unsafeGetStorageImpl() ||
+        h.full_view.scalar_type() != h.full.scalar_type())
+      h.full_view = h.full.narrow(0, 0, h.numel).view(h.shape);
+    return h.full_view;
+  }
+
+  const at::Tensor& placeholder(ParamHandle& h) {
+    const at::Tensor& data = h.tensor;
+    if (!h.placeholder.defined() || h.placeholder.scalar_type() != data.scalar_type() ||
+        h.placeholder.device() != data.device() || h.placeholder.storage().nbytes() != 0)
+      h.placeholder = at::empty({0}, data.options());
+    return h.placeholder;
+  }
+
+  // 1 when z3ext's cached view (gathered_view) references `full`'s storage.
+  static int owns_view(const ParamHandle& h) {
+    return h.full_view.defined() &&
+           h.full_view.storage().unsafeGetStorageImpl() == h.full.storage().unsafeGetStorageImpl();
   }
 
   // Sets the hpZ secondary partitions of `hs` (gathered, about to be released or written back) to
@@ -641,7 +674,7 @@ class GatherEngine {
     const at::Device device = h.tensor.device();
     // A prefetch released unused: its memory is free for reuse only after the gather that wrote it.
     h.bucket->wait_ready(device);
-    h.tensor.set_data(at::empty({0}, h.tensor.options()));
+    h.tensor.set_data(placeholder(h));
     h.param.attr("ds_status") = not_available_;
     h.bucket.reset();
     h.stale = false;

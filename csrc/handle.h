@@ -51,6 +51,11 @@ struct ParamHandle {
   // and for a parameter that views its own partition ([Note: world of one]).
   at::Tensor full;
   bool full_live = false;  // `full` holds its bytes (gathered into it)
+  // Made once, set as `.data` at each gather and release ([Note: handle views] in engine.h): the
+  // parameter-shaped view of `full`, the empty placeholder, and the error a read of released memory raises.
+  at::Tensor full_view;
+  at::Tensor placeholder;
+  std::string released_msg;
   at::Tensor parked;  // the module storage while a user-only gather uses another ([Note: user views])
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> user_storage;  // the last user-only gather's
   bool module_claimed = false;  // a module (or fallback) claim since this gather ([Note: user views])

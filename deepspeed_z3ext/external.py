@@ -17,7 +17,9 @@ from collections import OrderedDict
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, register_external_parameter
 
-from deepspeed_z3ext.state import STATE_ATTR
+from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext.epoch import TREE
+from deepspeed_z3ext.state import STATE_ATTR, of_engine
 
 _dict_getitem = OrderedDict.__getitem__
 
@@ -31,6 +33,11 @@ def getitem(stock_getitem):
             return stock_getitem(self, key)
         param = _dict_getitem(self, key)
         state = getattr(param, STATE_ATTR, None) if param is not None else None
+        if state is None and self._in_forward and hasattr(param, "ds_id"):
+            # A ZeRO parameter z3ext has not adopted (a module attached after initialize): DeepSpeed's
+            # getter registers it as an external of the running module, whose unit adopts it at its
+            # next check ([Note: late parameters], [Note: tree epoch]).
+            TREE.advance()
         if state is None or state.coordinator is None or state.compiled:
             return stock_getitem(self, key)
         running = state.coordinator.running_module()
@@ -51,5 +58,52 @@ def discover(state, module, param):
     if external is None or id(param) not in external:
         register_external_parameter(module, param)
     elif param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-        return  # registered before this fetch (so in the unit) or already gathered for it
+        # Registered before this fetch (so in the unit), or already gathered for it; or registered by
+        # the user since the unit was cached: it joins the unit at the module's release ([Note: tree epoch]).
+        state.external_count_seen(module, len(external))
+        return
     state.discover_external(module, param)
+
+
+# [Note: forward flags] DeepSpeed's forward prologue and epilogue walk every module of the model twice
+# per forward: the prologue turns each module's `_parameters` into a ZeROOrderedDict (modules added
+# after initialize) and sets its `_in_forward`, which DeepSpeed's getter reads to gather external
+# parameters, and the epilogue clears it (on the CPU VM, 2.0M of the 36M instructions of a 16-layer
+# GPT's tiny forward). For an eager z3ext engine the same is done on the list of the model's
+# ZeROOrderedDicts, walked again only when the tree epoch moved ([Note: tree epoch]), and DeepSpeed's
+# own walks are skipped (deepspeed_private.without_forward_walk); the rest of its prologue and
+# epilogue (timers, profilers, casts) runs as it is. A compiled engine (Dynamo traces DeepSpeed's
+# getter; DeepCompile's fallback drives it) keeps DeepSpeed's walks.
+def _eager_state(engine):
+    state = of_engine(engine)
+    if state is None or state.compiled or engine.is_compiled:
+        return None
+    return state
+
+
+def forward_prologue(stock):
+    """`DeepSpeedEngine._forward_prologue` (seams.py) ([Note: forward flags])."""
+    def _forward_prologue(self, inputs, kwargs):
+        state = _eager_state(self)
+        if state is None:
+            return stock(self, inputs, kwargs)
+        for d in state.param_dicts():
+            d._in_forward = True
+        with private.without_forward_walk(self):
+            return stock(self, inputs, kwargs)
+
+    return _forward_prologue
+
+
+def forward_epilogue(stock):
+    """`DeepSpeedEngine._forward_epilogue` (seams.py) ([Note: forward flags])."""
+    def _forward_epilogue(self):
+        state = _eager_state(self)
+        if state is None:
+            return stock(self)
+        for d in state.param_dicts():
+            d._in_forward = False
+        with private.without_forward_walk(self):
+            return stock(self)
+
+    return _forward_epilogue

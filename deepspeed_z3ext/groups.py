@@ -47,7 +47,7 @@ class MemberClaims(enum.Enum):
 
 
 class FetchGroup:
-    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty")
+    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -58,6 +58,7 @@ class FetchGroup:
         self.open = False               # the owner's forward is running
         self.member_claims = MemberClaims.NONE
         self.dirty = False              # an external parameter joined inside the group
+        self.epoch = -1                 # the tree epoch `unit` was checked at ([Note: tree epoch])
 
 
 def form(order: list, spans: Dict[int, list], root, max_numel: int, numel_of) -> Dict[int, FetchGroup]:

@@ -25,6 +25,7 @@ from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.epoch import TREE
 from deepspeed_z3ext.graphs import tensors_in as _tensors
 from deepspeed_z3ext.state import of_param
 
@@ -41,6 +42,7 @@ def _dangling(module, params):
             register_external_parameter(stack[-1], param)
             if id(param) in module._external_params:
                 unregister_external_parameter(module, param)
+            TREE.advance()  # both modules' units change ([Note: tree epoch])
             state = of_param(param)
             if state is not None:
                 # Claimed for the enclosing module's forward: a direct gather would end with the

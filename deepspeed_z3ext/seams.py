@@ -75,7 +75,9 @@ def _table():
     from deepspeed.runtime.zero import stage3
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from deepspeed_z3ext import config, external, fallback, gathered, grads, norm, offload, swap
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from deepspeed_z3ext import config, epoch, external, fallback, gathered, grads, norm, offload, swap
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -85,6 +87,15 @@ def _table():
         Seam(GatheredParameters, "__exit__", gathered.exit, "write-back and the claim's drop"),
         Seam(ZeROOrderedDict, "__getitem__", external.getitem,
              "external parameters discovered inside z3ext module forwards, resident or not"),
+        Seam(ZeROOrderedDict, "__setitem__", epoch.setitem,
+             "a parameter set on a ZeRO module moves the tree epoch ([Note: tree epoch])"),
+        Seam(ZeROOrderedDict, "__delitem__", epoch.delitem,
+             "a parameter removed from a ZeRO module moves the tree epoch ([Note: tree epoch])"),
+        Seam(DeepSpeedEngine, "_forward_prologue", external.forward_prologue,
+             "an eager z3ext engine flags its cached parameter dicts instead of walking every module "
+             "([Note: forward flags])"),
+        Seam(DeepSpeedEngine, "_forward_epilogue", external.forward_epilogue,
+             "the same at the forward's end ([Note: forward flags])"),
         Seam(DeepCompileZ3EagerFallback, "__new__",
              _dispatch_new(DeepCompileZ3EagerFallback, "engine", fallback.new_fallback),
              "DeepCompile's eager fallback on z3ext claims for z3ext engines"),

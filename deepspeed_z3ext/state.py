@@ -16,6 +16,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext import claims, comms
+from deepspeed_z3ext.epoch import TREE, watch_module_registrations
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext import entry
@@ -78,7 +79,8 @@ class Z3extState:
         self.engine = ops().GatherEngine(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
         if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
             self.engine = comms.LoggedGatherEngine(self.engine, tdist.get_world_size(), private.hpz_node_world())
-        self._units = {}  # id(module) -> (key, FetchUnit, its own parameters)
+        self._units = {}  # id(module) -> (key, FetchUnit, its own parameters, tree epoch checked at)
+        self._param_dicts = (-1, [])  # (tree epoch, the tree's ZeROOrderedDicts) ([Note: forward flags])
         self.groups = {}  # id(owner module) -> groups.FetchGroup ([Note: fetch groups])
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
@@ -87,6 +89,7 @@ class Z3extState:
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
             self._adopt(p, names.get(id(p), f"<ds_id {p.ds_id}>"))
+        watch_module_registrations()  # [Note: tree epoch]
         _LIVE.add(self)
 
     def _adopt(self, param, name):
@@ -132,42 +135,64 @@ class Z3extState:
         return self._module_unit(module, checked)
 
     def _module_unit(self, module, checked):
-        if not checked:
-            cached = self._units.get(id(module))
-            if cached is not None:
-                return cached[1]
+        cached = self._units.get(id(module))
+        epoch = TREE.value
+        if cached is not None and (not checked or cached[3] == epoch):
+            return cached[1]  # [Note: tree epoch]
         # [Note: late parameters] A ZeRO parameter created under zero.Init after initialize (set on, or
         # replacing one of, an existing module) has no handle: it is adopted here and gathered, as stock
         # gathers whatever ZeRO parameters a module has. The cache is keyed by the module's parameters
         # (held in the entry, so their ids cannot be reused) to see such a change.
         own = tuple(module._parameters.values())
         key = (len(module._external_params) if hasattr(module, "_external_params") else 0, tuple(map(id, own)))
-        cached = self._units.get(id(module))
         if cached is not None and cached[0] == key:
+            self._units[id(module)] = (key, cached[1], own, epoch)
             return cached[1]
         params = list(iter_params(module, recurse=z3_leaf_module(module)))
         for p in params:
             if hasattr(p, "ds_id") and getattr(p, STATE_ATTR, None) is None:
                 self._adopt(p, next((n for n, q in self.module.named_parameters() if q is p), f"<ds_id {p.ds_id}>"))
         unit = self.unit_of([p for p in params if self.owns(p)])
-        self._units[id(module)] = (key, unit, own)
+        self._units[id(module)] = (key, unit, own, epoch)
         return unit
 
+    def external_count_seen(self, module, count):
+        """`module` has `count` external parameters (external.py): a unit cached with another count is
+        checked again at its next use ([Note: tree epoch])."""
+        cached = self._units.get(id(module))
+        if cached is not None and cached[0][0] != count:
+            TREE.advance()
+
+    def param_dicts(self):
+        """The model's ZeROOrderedDicts, every module's `_parameters` made one first (DeepSpeed's
+        `ensure_zero_ordered_dict`, which its forward prologue applies to modules added after
+        initialize); walked again only when the tree epoch moved ([Note: forward flags])."""
+        epoch, dicts = self._param_dicts
+        if epoch != TREE.value:
+            from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+            for m in self.module.modules():
+                ensure_zero_ordered_dict(m)
+            dicts = [m._parameters for m in self.module.modules() if isinstance(m._parameters, ZeROOrderedDict)]
+            self._param_dicts = (TREE.value, dicts)  # after the walk: converting a dict moved the epoch
+        return dicts
+
     def _group_unit(self, group, checked):
-        if not checked and group.unit is not None:
-            return group.unit
+        if group.unit is not None and (not checked or (group.epoch == TREE.value and not group.dirty)):
+            return group.unit  # [Note: tree epoch]
         # The owner's own unit: no parameters of its own, but externals its forward may discover.
         units = [self._module_unit(group.owner, True)] + [self._module_unit(m, True) for m in group.members]
         if group.unit is None or any(u is not c for u, c in zip(units, group.member_units)):
             group.unit = ops().FetchUnit([h for u in units for h in u.handles])
             group.member_units = units
         group.dirty = False
+        group.epoch = TREE.value
         return group.unit
 
     def discover_external(self, module, param):
         """Claims `param` for `module`'s running forward ([Note: external discovery]); the module's
         release drops the claim, as its unit (rebuilt with the new external) now holds the parameter.
         Inside an open group, for the group's owner, whose release rebuilds the group with it."""
+        TREE.advance()  # the module's unit gains it ([Note: tree epoch])
         group = self.coordinator.open_group_of(module) if self.coordinator is not None else None
         if group is not None:
             group.dirty = True
