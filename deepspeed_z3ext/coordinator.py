@@ -46,7 +46,7 @@ class Z3extCoordinator:
         self.backward_window = BackwardWindow(prefetch_bucket_numel)  # [Note: backward prefetch]
         # Units ahead trust the cache: the module's own fetch checks it and gathers what a stale prefetch missed.
         self._unit_ahead = functools.partial(state.unit_for, checked=False)
-        self._running = []     # modules of this engine inside their forward (innermost last)
+        self.running = []      # modules of this engine inside their forward (innermost last; read by external.py)
         self._warn_every = state.config.plan_warning_steps
         self._forwards = 0
         self._last_warning = None
@@ -82,7 +82,7 @@ class Z3extCoordinator:
     # -- fetch and release ---------------------------------------------------------------------
     def running_module(self):
         """The innermost module of this engine running its forward (recomputation included)."""
-        return self._running[-1] if self._running else None
+        return self.running[-1] if self.running else None
 
     def reset_step(self):
         """Start of an outermost forward: Forward and Direct claims an abandoned forward left are
@@ -93,7 +93,7 @@ class Z3extCoordinator:
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
             _clean_module_stack()
-            self._running.clear()
+            self.running.clear()
             self._close_all_groups()
             self.backward_window.reset()
             if self.state.grad_reducer:
@@ -183,7 +183,7 @@ class Z3extCoordinator:
         if not forward:
             state.engine.unshard(state.unit_for(sub_module), self._bwd, sub_module.ds_id)
             return
-        self._running.append(sub_module)
+        self.running.append(sub_module)
         if self._covered and id(sub_module) in self._covered:
             return  # its group's owner fetched it ([Note: fetch groups])
         plan = self.plan
@@ -221,7 +221,11 @@ class Z3extCoordinator:
         """End of a module's forward (also one that raised, or that checkpoint recomputation stopped
         early): its Forward claim is dropped or becomes a Backward claim ([Note: graph claims]).
         `args`/`outputs`: the tensors of its inputs and outputs, any nesting already walked."""
-        self._pop_running(sub_module)
+        running = self.running
+        if running and running[-1] is sub_module:
+            running.pop()
+        else:
+            self._pop_running(sub_module)
         state = self.state
         if self._covered:
             group = self._covered.get(id(sub_module))
@@ -254,7 +258,7 @@ class Z3extCoordinator:
                 self._recomputed(sub_module, unit, args, outputs)
             else:
                 self._hold(sub_module, unit, args, outputs)
-        if not self._running and phase is Phase.FORWARD:
+        if not self.running and phase is Phase.FORWARD:
             self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
 
     def _hold(self, module, unit, args, outputs):
@@ -322,7 +326,7 @@ class Z3extCoordinator:
     def _pop_running(self, module):
         # Pops `module` and anything above it: an inner forward that raised, or a recomputation that
         # torch.utils.checkpoint stopped early, never reached its post-forward hook.
-        running = self._running
+        running = self.running
         for i in range(len(running) - 1, -1, -1):
             if running[i] is module:
                 del running[i:]

@@ -40,11 +40,11 @@ def getitem(stock_getitem):
             TREE.advance()
         if state is None or state.coordinator is None or state.compiled:
             return stock_getitem(self, key)
-        running = state.coordinator.running_module()
-        if running is None:
+        running = state.coordinator.running
+        if not running:
             return stock_getitem(self, key)
-        if self._parent_module is not running:
-            discover(state, running, param)
+        if self._parent_module is not running[-1]:
+            discover(state, running[-1], param)
         return param
 
     return __getitem__

@@ -83,6 +83,8 @@ def _boundary(value, boundary, depth=0):
 
 def _input_boundary(args, boundary):
     """The module's positional inputs with boundary nodes, or None when none needs grad."""
+    if len(args) == 1 and isinstance(args[0], torch.Tensor):  # most modules: one tensor, no walk
+        return (_boundary(args[0], boundary), ) if args[0].requires_grad else None
     out = _boundary(args, boundary)
     return None if out is args else out
 
@@ -142,7 +144,7 @@ def register(offload, module):
     @_never_traced
     def _pre_forward(m, args):
         stack.append(m)
-        offload.param_coordinator.fetch_sub_module(m, forward=True)
+        offload.param_coordinator.fetch_sub_module(m, True)
         if torch.is_grad_enabled():
             return _input_boundary(args, boundary)
 
@@ -151,13 +153,16 @@ def register(offload, module):
         raised = output is None and sys.exc_info()[0] is not None
         if stack and stack[-1] is m:
             stack.pop()
-        outputs = _tensors(output) if output is not None else ()
-        if outputs:
+        if isinstance(output, torch.Tensor):  # most modules: one tensor, no walk
+            outputs = (output, )
+            if hasattr(output, "ds_id") or hasattr(output, "ds_param_alias"):
+                _dangling(m, [output if hasattr(output, "ds_id") else output.ds_param_alias])
+        else:
+            outputs = _tensors(output) if output is not None else ()
             returned = [t if hasattr(t, "ds_id") else t.ds_param_alias for t in outputs
                         if hasattr(t, "ds_id") or hasattr(t, "ds_param_alias")]
             if returned:
                 _dangling(m, returned)
-        offload.param_coordinator.release_sub_module(m, grad_enabled=torch.is_grad_enabled(), args=args,
-                                                     outputs=outputs, raised=raised)
+        offload.param_coordinator.release_sub_module(m, torch.is_grad_enabled(), args, outputs, raised)
 
     visit(module)
