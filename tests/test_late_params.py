@@ -17,7 +17,7 @@ def late_params(z3ext, warm=False):
     cfg = ds_config(z3ext=z3ext, persistence=0)
     engine = build_engine(cfg, model_fn=TinyGPT)
     block = engine.module.blocks[0]
-    out = {"shapes": [], "warm": []}
+    out = {"shapes": [], "warm": [], "flags_in": []}
     if warm:  # units, fetch groups and the prologue's dict list cached ([Note: tree epoch])
         with torch.no_grad():
             out["warm"] = [float(engine(batch(step, dist.get_rank()))) for step in range(2)]
@@ -37,13 +37,18 @@ def late_params(z3ext, warm=False):
 
     block.proj.forward = proj_forward.__get__(block.proj)
 
+    def in_forward():  # DeepSpeed's flags its getter reads ([Note: forward flags]): every module's, the late one's too
+        return [getattr(m._parameters, "_in_forward", None) for m in engine.module.modules()]
+
     def record(mod, args):
         out["shapes"].append(tuple(mod.scale.shape))
+        out["flags_in"].append(set(in_forward()))
 
     block.proj.register_forward_pre_hook(record)
     with torch.no_grad():
         out["losses"] = [float(engine(batch(step, dist.get_rank()))) for step in range(2)]
     out["shapes"] = sorted(set(out["shapes"]))
+    out["flags_after"] = set(in_forward())
     with deepspeed.zero.GatheredParameters([fresh.weight]):
         out["fc1_is_fresh"] = torch.equal(block.fc1.weight, fresh.weight)
     out["released_after"] = [p.ds_status.name for p in (fresh.weight, extra.weight, late.weight)]
@@ -62,6 +67,8 @@ def test_parameters_created_after_initialize_are_gathered_like_stock(warm):
     for rank in range(2):
         assert z3[rank]["fc1_is_fresh"] and z3[rank]["shapes"] == stock[rank]["shapes"], (z3[rank], stock[rank])
         assert z3[rank]["shapes"] == [(32, 32)]
+        assert z3[rank]["flags_in"] == stock[rank]["flags_in"] == [{True}] * 2, (z3[rank], stock[rank])
+        assert z3[rank]["flags_after"] == stock[rank]["flags_after"] == {False}, (z3[rank], stock[rank])
         assert len(z3[rank]["warm"]) == 2 * warm
         assert z3[rank]["losses"] == stock[rank]["losses"], (z3[rank]["losses"], stock[rank]["losses"])
         assert z3[rank]["released_after"] == ["NOT_AVAILABLE"] * 3, z3[rank]
