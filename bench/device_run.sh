@@ -107,7 +107,8 @@ if [[ $what == simworld ]]; then
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}  # SIM_BIG, SIM_EXTRA: CPU dry runs
   results=()
   # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups");
-  # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19)
+  # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19);
+  # SIM_ROUNDS, SIM_STEPS: interleaved rounds and timed steps per round (default 2 x 3)
   IFS=';' read -ra runs <<< "${SIM_RUNS:-0.94B 8;6.7B 8;6.7B 64;0.94B 64}"
   for run in "${runs[@]}"; do
     set -- $run
@@ -123,7 +124,7 @@ if [[ $what == simworld ]]; then
     echo "# $1 GPT at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
     mkdir -p bench/out
     timeout -k 5 "$left" python3 bench/gather_release.py --sim-world "$2" $shape --systems "$systems" \
-      --rounds 2 --steps 3 --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
+      --rounds "${SIM_ROUNDS:-2}" --steps "${SIM_STEPS:-3}" --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
     rc=$?
     cat "${json%.json}.log" >>"$LOG/simworld.log"
     ((rc == 0)) || { echo "# $1 at simulated world $2: exit $rc"; tail -n 15 "${json%.json}.log"; } | tee -a "$LOG/simworld.log"

@@ -15,6 +15,7 @@ so drift hits them alike. On CPU the numbers only show host overhead (gather/rel
 not what a GPU run would show.
 """
 import argparse
+import gc
 import json
 import os
 import warnings
@@ -498,6 +499,9 @@ def run(a):
             if device.type == "cuda":
                 base = allocated()
                 torch.cuda.reset_peak_memory_stats()
+            # The garbage of the systems before (four engines share the process) is collected before this
+            # one's timed steps, not during them; the collector stays on while they run.
+            gc.collect()
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
                     steps_run[n] += 1
@@ -541,6 +545,7 @@ def run(a):
                 med["grad_flushes_per_step"] = grads.flushes / steps_run[n]
                 med["grad_host_ms_per_step"] = grads.host_seconds * 1e3 / steps_run[n]
         med["params_per_rank"] = params_per_rank(systems[n])
+        med["samples_ms"] = {k: smp[k] for k in ("fwd", "bwd", "opt", "tiny") if smp[k]}  # every timed step, in order
         result["systems"][n] = med
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
