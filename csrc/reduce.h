@@ -17,6 +17,15 @@
 // parameters' flat gradients in one kernel, whatever the world.
 // Elementwise ops over a buffer give what per-tensor ops give, and the layout only decides which
 // elements meet in the sum (the same ones on every rank: the caller sorts by ds_id).
+// [Note: direct slices] A slice of one gradient whose numel is a multiple of the world is its own
+// rank-major layout (chunk r of the flat gradient is rank r's): it goes to the collective without a
+// layout copy, divided out of place (the gradient stays intact for [Note: failed pass]) or, where the
+// collective divides, as it is. The output is a chunk of its own for the same reason.
+// [Note: divide in the collective] Step 2 over the whole buffer is a pass of its own on the device
+// (at GPT 6.7B, 13 GB read and written per step). Where the caller's collective scales each input by
+// 1/world before summing (NCCL's PREMUL_SUM, as FSDP2 uses NCCL's AVG) and the world is a power of two,
+// `x * (1/world)` rounded once is `x / world` rounded once, bit for bit, subnormals included: the caller
+// passes `collective_divides` and step 2 is skipped. Elsewhere (gloo, other worlds) it runs as stock's.
 #pragma once
 #include <torch/extension.h>
 #include <functional>
@@ -48,12 +57,31 @@ inline void write_partitions(std::vector<at::Tensor>& dests, std::vector<at::Ten
 // that counts DeepSpeed's collectives see it ([Note: comms logger] in comms.py).
 using ReduceScatterFn = std::function<void(at::Tensor, at::Tensor)>;
 
+// Step 1: `flat` laid out rank-major in `buf` ([world, per_rank]), each chunk zero-padded (stock leaves the
+// padding uninitialised: it is summed and dropped): one `_chunk_cat`, FSDP2's layout kernel, so the host
+// work is O(parameters), never O(parameters x world) ([Note: layout cost]). A gradient not yet in the
+// communication dtype is converted whole first, as stock converts it.
+inline void lay_out(at::Tensor& buf, const std::vector<at::Tensor>& flat, int64_t world, int64_t per_rank,
+                    at::ScalarType comm_dtype) {
+  std::vector<at::Tensor> srcs;
+  srcs.reserve(flat.size());
+  for (const auto& f : flat) {
+    if (f.numel() > 0) srcs.push_back(f.scalar_type() == comm_dtype ? f : f.to(comm_dtype));  // empty: no columns
+  }
+  if (!srcs.empty()) {
+    at::Tensor grid = buf.view({world, per_rank});
+    at::_chunk_cat_out(grid, srcs, /*dim=*/0, /*num_chunks=*/world);
+  }
+}
+
 // `grads[i]` is a full gradient (numel of the parameter), `dests[i]` this rank's gradient partition
-// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". Runs on the
+// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". `collective_divides`:
+// the collective scales its input by 1/world ([Note: divide in the collective]). Runs on the
 // current stream; on CUDA the gradients are marked as used by it (they were made on the compute stream).
 inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
-                                                at::ScalarType comm_dtype, double averaging_scale, bool accumulate) {
+                                                at::ScalarType comm_dtype, double averaging_scale, bool accumulate,
+                                                bool collective_divides) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(grads.size() == dests.size(), "z3ext reduce_scatter_grads: ", grads.size(), " gradients but ",
               dests.size(), " partitions");
@@ -94,25 +122,23 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
     write_partitions(dsts, srcs, accumulate);
     return {reduced, 0};
   }
-  at::Tensor buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
-  // 1. rank-major layout, each chunk zero-padded (stock leaves the padding uninitialised: it is summed and
-  // dropped): one `_chunk_cat` over a [world, per_rank] view, FSDP2's layout kernel, so the host work is
-  // O(parameters), never O(parameters x world) ([Note: layout cost]). A gradient not yet in the
-  // communication dtype is converted whole first, as stock converts it.
-  std::vector<at::Tensor> srcs;
-  srcs.reserve(flat.size());
-  for (const auto& f : flat) {
-    if (f.numel() > 0) srcs.push_back(f.scalar_type() == comm_dtype ? f : f.to(comm_dtype));  // empty: no columns
+  TORCH_CHECK(!collective_divides || (world & (world - 1)) == 0,
+              "z3ext reduce_scatter_grads: the collective divides only for a power-of-two world, not ", world);
+  at::Tensor buf, mine;
+  if (grads.size() == 1 && flat[0].numel() == world * per_rank) {  // [Note: direct slices]
+    const at::Tensor& f = flat[0];
+    const bool converted = f.scalar_type() != comm_dtype;
+    buf = converted ? f.to(comm_dtype) : f;
+    if (!collective_divides) buf = converted ? buf.div_(world) : buf.div(world);  // 2.
+    mine = at::empty({per_rank}, buf.options());
+    if (world > 1) collective(mine, buf);  // 3.
+  } else {
+    buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
+    lay_out(buf, flat, world, per_rank, comm_dtype);  // 1.
+    if (!collective_divides) buf.div_(world);  // 2.
+    mine = buf.narrow(0, rank * per_rank, per_rank);
+    if (world > 1) collective(mine, buf);  // 3.
   }
-  if (!srcs.empty()) {
-    at::Tensor grid = buf.view({world, per_rank});
-    at::_chunk_cat_out(grid, srcs, /*dim=*/0, /*num_chunks=*/world);
-  }
-  // 2.
-  buf.div_(world);
-  // 3.
-  at::Tensor mine = buf.narrow(0, rank * per_rank, per_rank);
-  if (world > 1) collective(mine, buf);
   // 4.
   if (averaging_scale != 0.0) mine.mul_(averaging_scale);
   // 5.

@@ -21,7 +21,10 @@ and frees each slice's gradients once written: the layout buffer, which a flush 
 bucket's gradients at the moment backward holds the most activations, is a quarter of the bucket
 (GPT 6.7B, simulated world 8: the peak sat in the first flush, 923 MiB of layout over 1 GiB of
 gradients). Each element meets the same operands in the same ops as in one collective over the
-bucket, so the partitions are the same bits; it costs three more collectives per full bucket.
+bucket, so the partitions are the same bits; it costs three more collectives per full bucket. A
+gradient of at least an eighth of a slice whose numel is a multiple of the world is a slice of its own
+and needs no layout ([Note: direct slices] in csrc/reduce.h): on the device a pass over most of the
+gradient bytes less (GPT 6.7B: every weight matrix), for collectives of 16M elements or more.
 
 [Note: failed pass] A backward pass that raises (out of memory in a re-fill, a flush or any op of
 autograd's) never reaches DeepSpeed's epilogue: its gradients noted and not yet reduced stay in `.grad`
@@ -107,6 +110,7 @@ from deepspeed_z3ext.state import group_of, of_optimizer, of_param
 
 _MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
 _SLICES = 4  # a flush reduce-scatters its bucket in this many slices at least ([Note: flush slices])
+_DIRECT = 8  # a gradient of an eighth of a slice or more, even over the ranks, is reduced alone ([Note: direct slices])
 
 
 class GradReduceStats(NamedTuple):
@@ -122,6 +126,8 @@ class GradReduceStats(NamedTuple):
     abandoned_passes: int  # backward passes that raised: their unreduced gradients dropped ([Note: failed pass])
     partitions_freed: int  # steps after which the gradient partitions were freed ([Note: gradient partitions between steps])
     unscales_fused: int   # sub-group unscales done in the step gradient's copy ([Note: fused unscale])
+    direct_reduce_scatters: int  # of reduce_scatters, those of one gradient without a layout ([Note: direct slices])
+    divided_in_collective: int   # of reduce_scatters, those whose collective divided (PREMUL_SUM, [Note: divide in the collective])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -175,6 +181,9 @@ class GradReducer:
         self._fused_sub_group = None  # the sub-group whose step gradient the unscale already scaled ([Note: fused unscale])
         self._n_norms = 0
         self._n_reduce_scatters = 0
+        self._n_direct = 0
+        self._n_divided = 0
+        self._divides = {}  # process group -> its collective divides ([Note: divide in the collective])
         self._n_abandoned = 0
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
         self._pass_task = None  # its autograd graph task
@@ -193,7 +202,8 @@ class GradReducer:
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
-                               self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused)
+                               self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused,
+                               self._n_direct, self._n_divided)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -249,7 +259,10 @@ class GradReducer:
         scale = world / float(averaging) if averaging != world else 0.0
         accumulate = optimizer.micro_step_id != 0
         reduce_scatter = ops().reduce_scatter_grads
-        collective = comms.reduce_scatter_fn(group)
+        divides = self._divides.get(group)
+        if divides is None:
+            divides = self._divides[group] = comms.divides_in_collective(group, world)
+        collective = comms.reduce_scatter_fn(group, world if divides else None)
         reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
@@ -259,11 +272,12 @@ class GradReducer:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
         with get_accelerator().stream(stream) if self._on_device else contextlib.nullcontext():
-            for part in _slices(params, self.slice_numel):  # [Note: flush slices]
+            for part in _slices(params, self.slice_numel, world):  # [Note: flush slices]
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
-                    n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate)
+                    n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate,
+                                          divides)
                 except BaseException:
                     self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
                     raise
@@ -272,6 +286,8 @@ class GradReducer:
                     p.grad = None
                 reduced += n
                 self._n_reduce_scatters += world > 1
+                self._n_direct += world > 1 and len(part) == 1 and part[0].ds_numel % world == 0
+                self._n_divided += world > 1 and divides
                 self._pass_accumulated += n if accumulate else 0
             if self._on_device:
                 event = get_accelerator().Event()
@@ -391,16 +407,22 @@ class GradReducer:
         self.allocate_partitions()  # a window without any flush steps on zeros
 
 
-def _slices(params, limit):
-    """`params` (ds_id order) cut into consecutive runs of at most `limit` elements (a larger parameter
-    alone)."""
+def _slices(params, limit, world):
+    """`params` (ds_id order) cut into consecutive runs of at most `limit` elements; a larger parameter, and
+    one of at least `limit / _DIRECT` elements even over the ranks, alone ([Note: direct slices] in
+    csrc/reduce.h)."""
     part, numel = [], 0
+    direct = max(1, limit // _DIRECT)
     for p in params:
-        if part and numel + p.ds_numel > limit:
+        alone = p.ds_numel >= direct and p.ds_numel % world == 0
+        if part and (alone or numel + p.ds_numel > limit):
             yield part
             part, numel = [], 0
         part.append(p)
         numel += p.ds_numel
+        if alone:
+            yield part
+            part, numel = [], 0
     if part:
         yield part
 

@@ -13,7 +13,9 @@ from tests.test_backward_integrity import SEQ, VOCAB, _model
 CASES = {
     "ga1": ({}, {}, {}, 1),
     "ga3": ({}, {}, {}, 3),
-    "small-bucket": ({}, {"reduce_bucket_size": 300}, {}, 2),
+    "small-bucket": ({}, {"reduce_bucket_size": 300}, {}, 2),  # slices of 75: direct ones and laid-out ones
+    "small-bucket-bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"},
+                                    {"reduce_bucket_size": 300}, {}, 1),  # direct slices converted first
     "clip": ({"gradient_clipping": 1e-3}, {}, {}, 2),  # triggered at every step: a scaled copy ([Note: fused unscale])
     "bf16-clip": ({"bf16": {"enabled": True}, "gradient_clipping": 1e-3}, {}, {}, 2),  # converted and scaled in one
     "clip-untriggered": ({"gradient_clipping": 1e6}, {}, {}, 2),  # never triggered: the step's view
@@ -105,7 +107,7 @@ def train_both(case, steps=4):
     return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], stock_norms=stock["norms"], z3_norms=z3["norms"], partition_diffs=partition_diffs,
                 n_partitions=sum(len(p) for p in z3["partitions"]), mismatched=mismatched, stats=z3["stats"],
                 stock_bucket=stock["bucket_numel"], z3_bucket=z3["bucket_numel"], skipped=(stock["skipped"], z3["skipped"]),
-                dtype=z3["dtype"], converted=z3["converted"], stock_between=stock["between"], z3_between=z3["between"])
+                dtype=z3["dtype"], converted=z3["converted"], backend=dist.get_backend(), stock_between=stock["between"], z3_between=z3["between"])
 
 
 def norms_agree(stock, z3, rtol):
@@ -139,10 +141,16 @@ def check(results, case, norm_rtol=0.0):
             assert st["accumulating_flushes"] == 0, st
         if "reduce_bucket_size" in zero_extra:
             assert st["flushes"] > 2 * backwards, f"expected several flushes per backward: {st}"
-            # [Note: flush slices]: a flush reduce-scatters in slices of a quarter of the bucket
+            # [Note: flush slices]: a flush reduce-scatters in slices of a quarter of the bucket; a gradient of an
+            # eighth of a slice or more, even over the ranks, alone and without a layout ([Note: direct slices]).
             assert st["reduce_scatters"] > st["flushes"], st
+            if len(results) > 1:
+                assert st["direct_reduce_scatters"] > 0, st  # (the default bucket: laid-out slices only)
         else:
             assert st["flushes"] == backwards, f"expected one flush per backward: {st}"
+            assert st["direct_reduce_scatters"] == 0, st
+        # [Note: divide in the collective]: NCCL at a power-of-two world scales in the collective, gloo never.
+        assert st["divided_in_collective"] == (st["reduce_scatters"] if r["backend"] == "nccl" else 0), st
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
@@ -188,7 +196,8 @@ def _on_gpu(world):
 
 
 @pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
-@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions"])
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions",
+                                  "small-bucket", "small-bucket-bf16-fp32-comm"])
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
     the same arithmetic; two: a two-operand sum, the same in any order)."""
