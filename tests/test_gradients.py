@@ -206,3 +206,38 @@ def test_gradient_path_on_gpu(case, world):
                  if a is not None and b is not None and a not in (0.0, b)), default=0.0)
     print(f"[{case}, {world} GPU] largest relative difference of the gradient norm from stock's: {worst:.3e}")
     check(results, case, norm_rtol=1e-9)
+
+
+def premul_sum_against_division():
+    """NCCL's PREMUL_SUM(1/world) on one rank (the collective's per-input scaling, alone) against stock's
+    `div_(world)`, through `deepspeed.comm` as a flush calls it, over values across each dtype's range,
+    subnormals and extremes included ([Note: divide in the collective] in csrc/reduce.h)."""
+    import torch
+    from deepspeed_z3ext import comms
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for dtype, (lo, hi) in {torch.bfloat16: (-133, 126), torch.float16: (-24, 15), torch.float32: (-149, 126)}.items():
+        n = 1 << 20
+        scale = torch.pow(2.0, torch.randint(lo, hi + 1, (n,), generator=g, device="cuda").double())
+        x = (torch.randn(n, generator=g, device="cuda", dtype=torch.float64) * scale).to(dtype)
+        info = torch.finfo(dtype)
+        special = torch.tensor([info.tiny, info.smallest_normal, info.max, -info.max, info.eps, 0.0, -0.0,
+                                info.tiny * 3, info.tiny / 2], dtype=torch.float64)
+        x[:special.numel()] = special.to(device="cuda", dtype=dtype)
+        subnormal = int(((x != 0) & (x.abs() < info.smallest_normal)).sum())
+        for world in (2, 4, 8, 64):
+            got = torch.empty_like(x)
+            comms.reduce_scatter_fn(None, divide_by=world)(got, x)
+            torch.cuda.synchronize()
+            want = x.div(world)
+            out[f"{dtype}/{world}"] = (int((got != want).sum()), subnormal, int((want != 0).sum()))
+    return out
+
+
+@pytest.mark.gpus(1)
+def test_premul_sum_scales_as_stock_divides():
+    (result,) = run_on_ranks(premul_sum_against_division, world_size=1, backend="nccl", timeout=300)
+    print(result)
+    for key, (differ, subnormal, nonzero) in result.items():
+        assert subnormal > 1000 and nonzero > 500_000, (key, subnormal, nonzero)  # the range was exercised
+        assert differ == 0, f"{key}: {differ} elements of PREMUL_SUM differ from stock's division"
