@@ -50,6 +50,7 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext-nogroups" (one fetch unit per
 # module: z3ext.fetch_group_numel 0), "z3ext-memberclaims" / "z3ext-blockclaims" (a block not held is
 # gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
+# "z3ext-divide" (stock's divide pass before the reduce-scatter: z3ext.divide_in_collective false),
 # "z3ext@N" (the sweep).
 
 
@@ -173,7 +174,7 @@ def build_system(name, a, device):
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups",
-                                                "memberclaims", "blockclaims", "hpz")]
+                                                "memberclaims", "blockclaims", "hpz", "divide")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     if "hpz" in variants and (a.hpz < 2 or base not in ("stock", "z3ext")):
@@ -189,6 +190,8 @@ def build_system(name, a, device):
             options["reduce_gradients"] = False
         if "freegrads" in variants:
             options["free_grad_partitions"] = True
+        if "divide" in variants:
+            options["divide_in_collective"] = False
         if "nogroups" in variants:
             options["fetch_group_numel"] = 0
         if "memberclaims" in variants or "blockclaims" in variants:

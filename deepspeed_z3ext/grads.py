@@ -183,6 +183,7 @@ class GradReducer:
         self._n_reduce_scatters = 0
         self._n_direct = 0
         self._n_divided = 0
+        self._divide_in_collective = state.config.divide_in_collective
         self._divides = {}  # process group -> its collective divides ([Note: divide in the collective])
         self._n_abandoned = 0
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
@@ -261,7 +262,7 @@ class GradReducer:
         reduce_scatter = ops().reduce_scatter_grads
         divides = self._divides.get(group)
         if divides is None:
-            divides = self._divides[group] = comms.divides_in_collective(group, world)
+            divides = self._divides[group] = self._divide_in_collective and comms.divides_in_collective(group, world)
         collective = comms.reduce_scatter_fn(group, world if divides else None)
         reduced = 0
         if self._on_device:
