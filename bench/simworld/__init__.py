@@ -78,9 +78,9 @@ def init(world, backend=BACKEND, device=None):
         # FSDP2's AVG): z3ext's flush skips its own divide there ([Note: divide in the collective]).
         try:
             from deepspeed_z3ext import comms
-            comms.PREMUL_SUM_BACKENDS.add(BACKEND)
         except ImportError:
-            pass
+            comms = None
+        getattr(comms, "PREMUL_SUM_BACKENDS", set()).add(BACKEND)  # (absent in packages before the note)
     if device.type == "cpu":
         # The chunks no rank wrote hold leftover bytes; denormals among them would slow CPU math.
         torch.set_flush_denormal(True)
