@@ -39,7 +39,7 @@ namespace z3ext {
 
 struct ReduceScatterResult {
   int64_t reduced;    // parameters whose partition on this rank received data
-  int64_t buffer_numel;
+  int64_t laid_out;   // elements of the layout buffer; 0 for a direct slice or one rank ([Note: direct slices])
 };
 
 // Step 5: `copy_` (first micro-step) or `add_` (accumulation) of each part into its partition, as
@@ -127,6 +127,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
   TORCH_CHECK(!collective_divides || (world & (world - 1)) == 0,
               "z3ext reduce_scatter_grads: the collective divides only for a power-of-two world, not ", world);
   at::Tensor buf, mine;
+  int64_t laid_out = 0;
   if (grads.size() == 1 && flat[0].numel() == world * per_rank) {  // [Note: direct slices]
     const at::Tensor& f = flat[0];
     const bool converted = f.scalar_type() != comm_dtype;
@@ -137,6 +138,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
   } else {
     buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
     lay_out(buf, flat, world, per_rank, comm_dtype);  // 1.
+    laid_out = buf.numel();
     if (!collective_divides) buf.div_(world);  // 2.
     mine = buf.narrow(0, rank * per_rank, per_rank);
     if (world > 1) collective(mine, buf);  // 3.
@@ -161,7 +163,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
     off += chunk[i];
   }
   write_partitions(outs, parts, accumulate);
-  return {reduced, buf.numel()};
+  return {reduced, laid_out};
 }
 
 }  // namespace z3ext

@@ -277,8 +277,8 @@ class GradReducer:
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
-                    n, _ = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale, accumulate,
-                                          divides)
+                    n, laid_out = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale,
+                                                 accumulate, divides)
                 except BaseException:
                     self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
                     raise
@@ -287,7 +287,7 @@ class GradReducer:
                     p.grad = None
                 reduced += n
                 self._n_reduce_scatters += world > 1
-                self._n_direct += world > 1 and len(part) == 1 and part[0].ds_numel % world == 0
+                self._n_direct += world > 1 and laid_out == 0
                 self._n_divided += world > 1 and divides
                 self._pass_accumulated += n if accumulate else 0
             if self._on_device:

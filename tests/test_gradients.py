@@ -207,4 +207,3 @@ def test_gradient_path_on_gpu(case, world):
                  if a is not None and b is not None and a not in (0.0, b)), default=0.0)
     print(f"[{case}, {world} GPU] largest relative difference of the gradient norm from stock's: {worst:.3e}")
     check(results, case, norm_rtol=1e-9)
-
