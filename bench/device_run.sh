@@ -20,6 +20,8 @@
 #                                    # the 6.7B GPT's optimizer step phase by phase, at simulated worlds 8 and 64
 #   bash bench/device_run.sh step-ab # pytest -m gpu tests/test_gradients.py, then the optimizer step phase by phase at
 #                                    # simulated world 8 (6.7B and 0.94B GPT), main against the package in .before
+#   bash bench/device_run.sh steps   # bench/step_profile.py: device time and blocking host calls per phase, unsharded
+#                                    # and z3ext, 0.94B and 0.47B GPT at simulated worlds 8 and 64 (STEPS_SYSTEMS, STEPS_RUNS)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -32,7 +34,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld || $what == memory || $what == faults || $what == profile ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld || $what == memory || $what == faults || $what == profile || $what == steps ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -73,6 +75,16 @@ if [[ $what == profile ]]; then
     cp bench/out/profile-*sim$w*.txt "$LOG/" 2>/dev/null
     timeout -k 5 150 python3 bench/step_breakdown.py --sim-world $w $big --systems z3ext,fsdp2 --steps 5 2>&1 |
       tee "$LOG/step-6.7B-w$w.log" | grep -v Warning | tail -22
+  done
+fi
+if [[ $what == steps ]]; then
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  IFS=';' read -ra runs <<< "${STEPS_RUNS:-narrow 8;narrow 64;0.94B 8;0.94B 64}"
+  for run in "${runs[@]}"; do
+    set -- $run
+    shape=""; [[ $1 == narrow ]] && shape="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+    timeout -k 5 150 python3 bench/step_profile.py --sim-world "$2" $shape --systems "${STEPS_SYSTEMS:-unsharded,z3ext}" \
+      --steps 3 --warmup 2 2>&1 | grep -v Warning | tee "$LOG/steps-$1-w$2.log" | sed -n '/^# bench/,$p'
   done
 fi
 if [[ $what == step-ab ]]; then

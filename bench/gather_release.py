@@ -451,6 +451,31 @@ class NvmlSampler:
         return _During()
 
 
+# [Note: bench host noise] A host-bound step moves with whatever else the host does in it. Two causes
+# inside the process are counted per system and timed step (medians over rounds in the results):
+# `gc_ms`, the time the Python collector ran (a full collection walks every object of the engines
+# sharing the process), and `device_calls`, the CUDA caching allocator's device allocations and frees
+# plus its retries (each `cudaMalloc`/`cudaFree` can synchronize the device): a system whose steady step
+# needs new segments pays them at every step, not only in warm-up.
+def _gc_timer(pauses):
+    started = []
+
+    def timer(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    return timer
+
+
+def _device_calls(device):
+    if device.type != "cuda":
+        return 0
+    st = torch.cuda.memory_stats()
+    return st.get("num_device_alloc", 0) + st.get("num_device_free", 0) + st.get("num_alloc_retries", 0)
+
+
 def run(a):
     import deepspeed
     import torch.distributed as dist
@@ -468,8 +493,11 @@ def run(a):
     elt = 2 if a.dtype == "bf16" else 4
     x, tiny = make_input(a, device), make_input(a, device, tiny=True)
     clock = Clock(device)
-    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[], peak_over_base=[], held=[], base=[])
-               for n in systems}
+    samples = {n: dict(fwd=[], bwd=[], opt=[], step=[], tiny=[], peak=[], peak_over_base=[], held=[], base=[],
+                       gc_ms=[], device_calls=[]) for n in systems}
+    pauses = []  # [Note: bench host noise]
+    gc_timer = _gc_timer(pauses)
+    gc.callbacks.append(gc_timer)
     nvml, gpu = NvmlSampler(device), {n: {} for n in systems}  # clocks and power during each system's steps
     try:
         from tqdm import tqdm
@@ -505,6 +533,8 @@ def run(a):
             # The garbage of the systems before (four engines share the process) is collected before this
             # one's timed steps, not during them; the collector stays on while they run.
             gc.collect()
+            pauses.clear()
+            dev0 = _device_calls(device)
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
                     steps_run[n] += 1
@@ -514,6 +544,8 @@ def run(a):
                     samples[n]["opt"].append(o)
                     samples[n]["step"].append(f + b + o)
                     samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
+            samples[n]["gc_ms"].append(sum(pauses) * 1e3 / a.steps)
+            samples[n]["device_calls"].append((_device_calls(device) - dev0) / a.steps)
             if device.type == "cuda":
                 samples[n]["peak"].append(held[n] + torch.cuda.max_memory_allocated() - base)
                 samples[n]["peak_over_base"].append(torch.cuda.max_memory_allocated() - base)
@@ -522,6 +554,7 @@ def run(a):
                 held[n] += allocated() - base
             if bar:
                 bar.update(1)
+    gc.callbacks.remove(gc_timer)
     if bar:
         bar.close()
     unit_bytes = (n_params // max(a.layers, 1)) * elt
@@ -606,6 +639,11 @@ def table(res, machine):
             if "power_W_median" in m:
                 lines.append(f"{n:>12} {m['sm_clock_MHz_median']:7.0f} [{m['sm_clock_MHz_min']:.0f}] MHz "
                              f"{m['power_W_median']:7.1f} [{m['power_W_max']:.1f}] W")
+    if any(m.get("gc_ms", 0) or m.get("device_calls", 0) for m in s.values()):
+        lines.append("# per timed step (medians over rounds; [Note: bench host noise]): garbage collector ms, "
+                     "device allocator calls")
+        for n, m in s.items():
+            lines.append(f"{n:>12} gc {m.get('gc_ms', 0):7.2f} ms  device allocs/frees/retries {m.get('device_calls', 0):7.1f}")
     for n, why in res["skipped"].items():
         lines.append(f"{n:>12} skipped: {why}")
     if "z3ext" in s:
