@@ -37,8 +37,8 @@ def _profile(fn):
 
 
 def _summary(prof):
-    """(device us, {blocking call: (count, host us)}, [(op, host us)])"""
-    device_us, blocking, ops = 0.0, {}, {}
+    """(device us, {blocking call: (count, host us)}, [(op, host us)], {runtime call: count})"""
+    device_us, blocking, ops, runtime = 0.0, {}, {}, {}
     for e in prof.key_averages():
         name = e.key
         dev = getattr(e, "self_device_time_total", None)
@@ -47,10 +47,32 @@ def _summary(prof):
         device_us += dev
         if name in BLOCKING:
             blocking[name] = (e.count, e.self_cpu_time_total)
-        elif name.startswith("aten::") or not name.startswith("cuda"):
+        elif name.startswith(("cuda", "cu")) and e.self_cpu_time_total > 0:
+            runtime[name] = e.count
+        elif dev == 0:
             ops[name] = ops.get(name, 0.0) + e.self_cpu_time_total
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
-    return device_us, blocking, top
+    return device_us, blocking, top, runtime
+
+
+def _python_profile(s, x, steps, top):
+    """cProfile of `steps` backward passes: the Python functions with the most own time."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        loss = s.forward(x)
+        prof.enable()
+        s.backward(loss)
+        prof.disable()
+        s.step()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in rows:
+        out.append(f"      {tt / steps * 1e3:6.2f} own {ct / steps * 1e3:6.2f} cum ms {nc / steps:6.0f}x "
+                   f"{Path(file).name}:{line}({fn})")
+    return out
 
 
 def run(a):
@@ -65,7 +87,7 @@ def run(a):
         for _ in range(a.warmup + 1):
             gr.time_train_step(s, x, clock)
         gr.F.linear = s.linear
-        acc = {ph: dict(wall=0.0, device=0.0, blocking={}, ops={}) for ph in ("fwd", "bwd", "opt")}
+        acc = {ph: dict(wall=0.0, device=0.0, blocking={}, ops={}, runtime={}) for ph in ("fwd", "bwd", "opt")}
         for _ in range(a.steps):
             for ph in ("fwd", "bwd", "opt"):
                 t0 = clock.now()
@@ -76,7 +98,7 @@ def run(a):
                 else:
                     prof, _ = _profile(s.step)
                 wall = (clock.now() - t0) * 1e6
-                dev, blocking, top = _summary(prof)
+                dev, blocking, top, runtime = _summary(prof)
                 r = acc[ph]
                 r["wall"] += wall
                 r["device"] += dev
@@ -85,6 +107,8 @@ def run(a):
                     r["blocking"][k] = (c0 + c, us0 + us)
                 for k, us in top:
                     r["ops"][k] = r["ops"].get(k, 0.0) + us
+                for k, c in runtime.items():
+                    r["runtime"][k] = r["runtime"].get(k, 0) + c
         n = a.steps
         lines.append(f"## {name}: per step, mean of {n} (profiled: host times inflated)")
         for ph, r in acc.items():
@@ -92,14 +116,26 @@ def run(a):
             lines.append(f"  {ph}: wall {r['wall'] / n / 1e3:8.2f} ms  device {r['device'] / n / 1e3:8.2f} ms  "
                          f"blocking calls: {block or 'none'}")
             top = sorted(r["ops"].items(), key=lambda kv: -kv[1])[:6]
-            lines.append("      host: " + ", ".join(f"{k} {us / n / 1e3:.2f}" for k, us in top))
+            lines.append("      host: " + ", ".join(f"{k[:60]} {us / n / 1e3:.2f}" for k, us in top))
+            calls = sorted(r["runtime"].items(), key=lambda kv: -kv[1])[:6]
+            lines.append("      runtime calls: " + ", ".join(f"{k} {c / n:.0f}" for k, c in calls))
+        if a.python_top:
+            lines.append(f"    backward under cProfile, per pass (top {a.python_top} by own time):")
+            lines += _python_profile(s, x, n, a.python_top)
         del s
         gr.F.linear = gr.TORCH_LINEAR
     return lines
 
 
 def main():
-    a = gr.parse(sys.argv[1:])
+    argv = sys.argv[1:]
+    python_top = 0
+    if "--python-top" in argv:  # also a cProfile of the backward: its N Python functions with the most own time
+        i = argv.index("--python-top")
+        python_top = int(argv[i + 1])
+        del argv[i:i + 2]
+    a = gr.parse(argv)
+    a.python_top = python_top
     gr.init_distributed(a)
     import torch.distributed as dist
     lines = run(a)
