@@ -30,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return reduce_scatter_grads(collective, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate,
                                       collective_divides);
         });
-        return std::make_tuple(r.reduced, r.laid_out);
+        return std::make_tuple(r.reduced, r.laid_out, r.writes);
       },
       py::arg("collective"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
       py::arg("comm_dtype"), py::arg("averaging_scale"), py::arg("accumulate"),

@@ -128,6 +128,7 @@ class GradReduceStats(NamedTuple):
     unscales_fused: int   # sub-group unscales done in the step gradient's copy ([Note: fused unscale])
     direct_reduce_scatters: int  # of reduce_scatters, those of one gradient without a layout ([Note: direct slices])
     divided_in_collective: int   # of reduce_scatters, those whose collective divided (PREMUL_SUM, [Note: divide in the collective])
+    partition_writes: int  # tensors written into the partitions: consecutive ones as one run ([Note: partition runs] in csrc/reduce.h)
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -183,6 +184,7 @@ class GradReducer:
         self._n_reduce_scatters = 0
         self._n_direct = 0
         self._n_divided = 0
+        self._n_writes = 0
         self._divide_in_collective = state.config.divide_in_collective
         self._divides = {}  # process group -> its collective divides ([Note: divide in the collective])
         self._n_abandoned = 0
@@ -204,7 +206,7 @@ class GradReducer:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
                                self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused,
-                               self._n_direct, self._n_divided)
+                               self._n_direct, self._n_divided, self._n_writes)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -277,7 +279,7 @@ class GradReducer:
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
-                    n, laid_out = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale,
+                    n, laid_out, writes = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale,
                                                  accumulate, divides)
                 except BaseException:
                     self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
@@ -286,6 +288,7 @@ class GradReducer:
                 for p in part:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
                     p.grad = None
                 reduced += n
+                self._n_writes += writes
                 self._n_reduce_scatters += world > 1
                 self._n_direct += world > 1 and laid_out == 0
                 self._n_divided += world > 1 and divides

@@ -152,6 +152,14 @@ def check(results, case, norm_rtol=0.0):
         # [Note: divide in the collective]: NCCL at a power-of-two world of two or more scales in the collective,
         # gloo never (two GPUs: test_gradient_path_on_gpu[*-2] compares that path with stock's divide).
         assert st["divided_in_collective"] == (st["reduce_scatters"] if r["backend"] == "nccl" else 0), st
+        # [Note: partition runs]: partitions that lie back to back are written as one run (one rank: one each;
+        # the small buckets' slices hold one or two parameters).
+        if len(results) > 1 and "reduce_bucket_size" not in zero_extra:
+            assert 0 < st["partition_writes"] < st["reduced_params"], st
+        elif len(results) > 1:
+            assert 0 < st["partition_writes"] <= st["reduced_params"], st
+        else:
+            assert st["partition_writes"] == st["reduced_params"], st
         # [Note: step gradient view]: the optimizer stepped on the gradient buffer (a view, or its conversion
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
