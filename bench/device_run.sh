@@ -121,6 +121,10 @@ if [[ $what == simworld ]]; then
   # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups");
   # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19);
   # SIM_ROUNDS, SIM_STEPS: interleaved rounds and timed steps per round (default 2 x 3)
+  # A run may repeat ("0.94B 8;0.94B 64;0.94B 8;0.94B 64"): each repeat is a process of its own, its result
+  # sim-<shape>-w<N>-r<K>.json, and the summary pools every process of a shape and world ([Note: alternated
+  # worlds] in summarize.py). A third field adds systems to that run only ("0.94B 8 stock-mel").
+  rm -f bench/out/sim-*.json bench/out/sim-*.log  # a warm machine keeps an earlier call's results
   IFS=';' read -ra runs <<< "${SIM_RUNS:-0.94B 8;6.7B 8;6.7B 64;0.94B 64}"
   for run in "${runs[@]}"; do
     set -- $run
@@ -129,8 +133,11 @@ if [[ $what == simworld ]]; then
       systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
     else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
     systems+=${SIM_ADD:-}
-    for skip in ${SIM_SKIP:-}; do systems=${systems//$skip,/}; done  # SIM_SKIP: systems left out ("stock-mel")
-    json=bench/out/sim-$1-w$2.json; results+=("$json")
+    for skip in ${SIM_SKIP:-}; do systems=${systems//$skip,/}; systems=${systems%,$skip}; done  # SIM_SKIP: left out
+    [[ -n ${3:-} ]] && systems+=",$3"
+    json=bench/out/sim-$1-w$2.json; k=2
+    while [[ -e $json ]]; do json=bench/out/sim-$1-w$2-r$k.json; k=$((k + 1)); done
+    results+=("$json")
     left=$((budget - SECONDS))
     if ((left < 45)); then echo "# skipped $1 at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi
     echo "# $1 GPT at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
