@@ -22,6 +22,8 @@
 #                                    # simulated world 8 (6.7B and 0.94B GPT), main against the package in .before
 #   bash bench/device_run.sh steps   # bench/step_profile.py: device time and blocking host calls per phase, unsharded
 #                                    # and z3ext, 0.94B and 0.47B GPT at simulated worlds 8 and 64 (STEPS_SYSTEMS, STEPS_RUNS)
+#   bash bench/device_run.sh tiny    # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases
+#                                    # (profile_host.py) and the bench with its NVML sampler on and off
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -34,7 +36,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld || $what == memory || $what == faults || $what == profile || $what == steps ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -86,6 +88,20 @@ if [[ $what == steps ]]; then
     timeout -k 5 150 python3 bench/step_profile.py --sim-world "$2" $shape --systems "${STEPS_SYSTEMS:-unsharded,z3ext}" \
       --steps 3 --warmup 2 2>&1 | grep -v Warning | tee "$LOG/steps-$1-w$2.log" | sed -n '/^# bench/,$p'
   done
+fi
+if [[ $what == tiny ]]; then  # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases, and with
+  # the NVML sampler thread on and off (BENCH_NVML_PERIOD), one process each, alternated
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  timeout -k 5 150 python3 bench/profile_host.py --model gpt --sim-world 8 --systems z3ext,unsharded --steps 8 \
+    >"$LOG/tiny-profile.log" 2>&1
+  sed -n '/tiny no_grad forward, host phases/,/^## z3ext tiny no_grad forward, torch/p' "$LOG/tiny-profile.log"
+  sed -n '/torch.profiler/,/^$/p' "$LOG/tiny-profile.log" | head -24 | cut -c1-150
+  for period in 0.02 0 0.02 0; do
+    echo "## BENCH_NVML_PERIOD=$period"
+    BENCH_NVML_PERIOD=$period timeout -k 5 100 python3 bench/gather_release.py --sim-world 8 --systems unsharded,z3ext \
+      --rounds 3 --steps 4 --warmup 2 --out bench/out/nvml-$period.json 2>&1 | grep -v Warning |
+      sed -n '/^      system/,+2p'
+  done 2>&1 | tee "$LOG/tiny-nvml.log"
 fi
 if [[ $what == step-ab ]]; then
   python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -3

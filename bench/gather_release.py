@@ -401,9 +401,13 @@ class NvmlSampler:
     """Samples this rank's GPU SM clock (MHz) and power (W) on a thread every `period` seconds while a
     system's timed steps run (`with sampler.during(samples):`); a no-op without CUDA or NVML."""
 
-    def __init__(self, device, period=0.02):
+    def __init__(self, device, period=None):
+        # BENCH_NVML_PERIOD: seconds between samples; 0 turns sampling off (a thread that wakes every 20 ms
+        # takes the GIL from a host-bound step now and then).
+        period = float(os.environ.get("BENCH_NVML_PERIOD", 0.02)) if period is None else period
         self.period, self.handle, self.error = period, None, None
-        if device.type != "cuda":
+        if device.type != "cuda" or period <= 0:
+            self.error = None if device.type != "cuda" else "off (BENCH_NVML_PERIOD=0)"
             return
         try:
             import pynvml
