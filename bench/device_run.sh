@@ -136,12 +136,17 @@ if [[ $what == simworld ]]; then
   results=()
   # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups");
   # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19);
-  # SIM_ROUNDS, SIM_STEPS: interleaved rounds and timed steps per round (default 2 x 3)
+  # SIM_ROUNDS, SIM_STEPS: interleaved rounds and timed steps per round (default 2 x 4); SIM_SKIP (default
+  # "stock-mel z3ext-nohold", "" for none): systems left out of every run
   # A run may repeat ("0.94B 8;0.94B 64;0.94B 8;0.94B 64"): each repeat is a process of its own, its result
   # sim-<shape>-w<N>-r<K>.json, and the summary pools every process of a shape and world ([Note: alternated
   # worlds] in summarize.py). A third field adds systems to that run only ("0.94B 8 stock-mel").
   rm -f bench/out/sim-*.json bench/out/sim-*.log  # a warm machine keeps an earlier call's results
-  IFS=';' read -ra runs <<< "${SIM_RUNS:-0.94B 8;6.7B 8;6.7B 64;0.94B 64}"
+  # Default: the performance issue's shapes and worlds, the 0.94B and 0.47B worlds alternated twice, stock with
+  # mel on the 6.7B and the first 0.94B pair (about 490 s with the GPU gradient tests before it).
+  default_runs="6.7B 8 stock-mel;6.7B 64 stock-mel;0.94B 8 stock-mel;0.94B 64 stock-mel;narrow 8;narrow 64;0.94B 8;0.94B 64"
+  default_runs+=";narrow 8;narrow 64"
+  IFS=';' read -ra runs <<< "${SIM_RUNS:-$default_runs}"
   for run in "${runs[@]}"; do
     set -- $run
     if [[ $1 == 6.7B ]]; then shape=$big systems=stock-mel,fsdp2,z3ext,z3ext-nohold
@@ -149,7 +154,7 @@ if [[ $what == simworld ]]; then
       systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
     else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
     systems+=${SIM_ADD:-}
-    for skip in ${SIM_SKIP:-}; do systems=${systems//$skip,/}; systems=${systems%,$skip}; done  # SIM_SKIP: left out
+    for skip in ${SIM_SKIP-stock-mel z3ext-nohold}; do systems=${systems//$skip,/}; systems=${systems%,$skip}; done  # SIM_SKIP: left out
     [[ -n ${3:-} ]] && systems+=",$3"
     json=bench/out/sim-$1-w$2.json; k=2
     while [[ -e $json ]]; do json=bench/out/sim-$1-w$2-r$k.json; k=$((k + 1)); done
@@ -159,7 +164,7 @@ if [[ $what == simworld ]]; then
     echo "# $1 GPT at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
     mkdir -p bench/out
     timeout -k 5 "$left" python3 bench/gather_release.py --sim-world "$2" $shape --systems "$systems" \
-      --rounds "${SIM_ROUNDS:-2}" --steps "${SIM_STEPS:-3}" --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
+      --rounds "${SIM_ROUNDS:-2}" --steps "${SIM_STEPS:-4}" --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
     rc=$?
     cat "${json%.json}.log" >>"$LOG/simworld.log"
     ((rc == 0)) || { echo "# $1 at simulated world $2: exit $rc"; tail -n 15 "${json%.json}.log"; } | tee -a "$LOG/simworld.log"

@@ -402,9 +402,9 @@ class NvmlSampler:
     system's timed steps run (`with sampler.during(samples):`); a no-op without CUDA or NVML."""
 
     def __init__(self, device, period=None):
-        # BENCH_NVML_PERIOD: seconds between samples; 0 turns sampling off (a thread that wakes every 20 ms
-        # takes the GIL from a host-bound step now and then).
-        period = float(os.environ.get("BENCH_NVML_PERIOD", 0.02)) if period is None else period
+        # BENCH_NVML_PERIOD: seconds between samples, 0 (default) no sampling: the sampling thread shares the
+        # GIL with the timed steps and slows the host-bound ones ([Note: bench host noise]).
+        period = float(os.environ.get("BENCH_NVML_PERIOD", 0)) if period is None else period
         self.period, self.handle, self.error = period, None, None
         if device.type != "cuda" or period <= 0:
             self.error = None if device.type != "cuda" else "off (BENCH_NVML_PERIOD=0)"
@@ -460,7 +460,13 @@ class NvmlSampler:
 # `gc_ms`, the time the Python collector ran (a full collection walks every object of the engines
 # sharing the process), and `device_calls`, the CUDA caching allocator's device allocations and frees
 # plus its retries (each `cudaMalloc`/`cudaFree` can synchronize the device): a system whose steady step
-# needs new segments pays them at every step, not only in warm-up.
+# needs new segments pays them at every step, not only in warm-up. On the H200 (2026-12-03) both were
+# negligible (GC under 1.2 ms per step for every system, no device call in any timed step), but a third
+# cause was not: the NVML sampler's thread, waking every 20 ms, took the GIL from the steps. With it,
+# z3ext's tiny no_grad forward of the 0.94B GPT at simulated world 8 took 14.0 / 11.9 ms and its step
+# 57.6 / 50.9; without it 9.8 / 7.9 and 49.2 / 48.2, while the unsharded model moved less (processes
+# alternated, `bench/results/tiny-nvml-1xNVIDIA-H200-934954e.md`). Sampling is therefore off unless
+# BENCH_NVML_PERIOD asks for it; every simulated-world table before that date ran with it.
 def _gc_timer(pauses):
     started = []
 

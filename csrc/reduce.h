@@ -60,8 +60,8 @@ inline void write_partitions(std::vector<at::Tensor>& dests, std::vector<at::Ten
 // whole partitions receive data (no padding on this rank) and lie back to back in the buffer are written
 // by one copy (or add) of a range of `mine` into a range of the buffer, converted first where the
 // dtypes differ: the same elements, operands and ops as one conversion and copy per parameter, without
-// two or three views per parameter on the host (~390 per backward pass on a 32-layer GPT). Anything
-// else (a partition with padding on this rank, a gap) is written on its own.
+// two or three views on the host for each parameter (a 32-layer GPT has ~390). Anything else (a
+// partition with padding on this rank, a gap) is written on its own.
 struct PartitionRun {
   int64_t start = 0;  // in `mine`
   int64_t len = 0;
@@ -75,7 +75,7 @@ struct PartitionRun {
   void close(const at::Tensor& mine, std::vector<at::Tensor>& parts, std::vector<at::Tensor>& outs) {
     if (len > 0) {
       at::Tensor part = mine.narrow(0, start, len);
-      if (part.scalar_type() != first.scalar_type()) part = part.to(first.scalar_type());  // elementwise: one for the run
+      if (part.scalar_type() != first.scalar_type()) part = part.to(first.scalar_type());  // one for the run
       parts.push_back(part);
       outs.push_back(len == first.numel() ? first : first.as_strided({len}, {1}));
     }

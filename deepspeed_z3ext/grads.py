@@ -279,8 +279,8 @@ class GradReducer:
                 grads = [p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
-                    n, laid_out, writes = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype, scale,
-                                                 accumulate, divides)
+                    n, laid_out, writes = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype,
+                                                         scale, accumulate, divides)
                 except BaseException:
                     self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
                     raise
