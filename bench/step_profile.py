@@ -47,7 +47,7 @@ def _summary(prof):
         device_us += dev
         if name in BLOCKING:
             blocking[name] = (e.count, e.self_cpu_time_total)
-        elif name.startswith(("cuda", "cu")) and e.self_cpu_time_total > 0:
+        elif name.startswith("cu") and e.self_cpu_time_total > 0:  # CUDA runtime and driver calls
             runtime[name] = e.count
         elif dev == 0:
             ops[name] = ops.get(name, 0.0) + e.self_cpu_time_total
