@@ -24,6 +24,8 @@
 #                                    # and z3ext, 0.94B and 0.47B GPT at simulated worlds 8 and 64 (STEPS_SYSTEMS, STEPS_RUNS)
 #   bash bench/device_run.sh tiny    # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases
 #                                    # (profile_host.py) and the bench with its NVML sampler on and off
+#   bash bench/device_run.sh world1-ab  # the 0.94B GPT at world 1 (real): main against the package in .before,
+#                                    # alternated processes (WORLD1_RUNS, default 4), each with its own op build
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -113,6 +115,18 @@ if [[ $what == step-ab ]]; then
         --systems z3ext,fsdp2 --steps 5 2>&1 | grep -v Warning | tail -17
     done
   done 2>&1 | tee "$LOG/step-ab.log"
+fi
+if [[ $what == world1-ab ]]; then
+  # Each package builds its ops once, in its own extensions folder (one folder for both would rebuild at every switch).
+  PYTHONPATH=/tmp/site:$PWD/.before:$PWD TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext-before \
+    python3 -c "from deepspeed_z3ext._ops import ops; ops(); print('ops of .before built')" || exit 1
+  for ((k = 0; k < ${WORLD1_RUNS:-4}; k++)); do
+    if ((k % 2 == 0)); then src=$PWD/.before ext=/tmp/z3ext-ext-before; else src="" ext=$TORCH_EXTENSIONS_DIR; fi
+    echo "## world 1 (real), 0.94B GPT, package: ${src:+.before}${src:-main}"
+    PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 150 python3 bench/gather_release.py \
+      --sim-world 0 --systems unsharded,fsdp2,z3ext --rounds 3 --steps 4 --warmup 2 --out "$LOG/world1-$k.json" 2>&1 |
+      grep -v Warning | sed -n '/^# gather_release/,/^# ratios/p;/z3ext\/unsharded/p'
+  done 2>&1 | tee "$LOG/world1-ab.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
