@@ -25,7 +25,8 @@
 #   bash bench/device_run.sh tiny    # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases
 #                                    # (profile_host.py) and the bench with its NVML sampler on and off
 #   bash bench/device_run.sh world1-ab  # the 0.94B GPT at world 1 (real): main against the package in .before,
-#                                    # alternated processes (WORLD1_RUNS, default 4), each with its own op build
+#                                    # alternated processes (WORLD1_RUNS, default 4), each with its own op build;
+#                                    # .before: `git archive REV deepspeed_z3ext csrc op_builder | tar -x -C .before`
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -122,10 +123,12 @@ if [[ $what == world1-ab ]]; then
     python3 -c "from deepspeed_z3ext._ops import ops; ops(); print('ops of .before built')" || exit 1
   for ((k = 0; k < ${WORLD1_RUNS:-4}; k++)); do
     if ((k % 2 == 0)); then src=$PWD/.before ext=/tmp/z3ext-ext-before; else src="" ext=$TORCH_EXTENSIONS_DIR; fi
-    echo "## world 1 (real), 0.94B GPT, package: ${src:+.before}${src:-main}"
+    label=${src:+.before}; echo "## world 1 (real), 0.94B GPT, package: ${label:-main}"
+    mkdir -p bench/out  # the bench writes a plot beside its JSON: only the JSON goes to $LOG ($OUT returns 8 files)
     PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 150 python3 bench/gather_release.py \
-      --sim-world 0 --systems unsharded,fsdp2,z3ext --rounds 3 --steps 4 --warmup 2 --out "$LOG/world1-$k.json" 2>&1 |
+      --sim-world 0 --systems unsharded,fsdp2,z3ext --rounds 3 --steps 4 --warmup 2 --out bench/out/world1-$k.json 2>&1 |
       grep -v Warning | sed -n '/^# gather_release/,/^# ratios/p;/z3ext\/unsharded/p'
+    cp bench/out/world1-$k.json "$LOG/" 2>/dev/null
   done 2>&1 | tee "$LOG/world1-ab.log"
 fi
 if [[ $what == bench || $what == all ]]; then
