@@ -583,7 +583,7 @@ def run(a):
             st = deepspeed_z3ext.stats(systems[n].model)
             med["z3ext_peak_live_MiB"] = st.peak_live_bytes / 2**20
             med["z3ext_collectives"] = st.collectives
-            # getattr: a before/after run may load a package older than hpZ (device_run.sh's Z3EXT_SRC)
+            # getattr: a before/after run may load a package older than hpZ (device_run.sh: .before, Z3EXT_SRC)
             if getattr(st, "secondary_collectives", 0) or getattr(st, "secondary_bytes", 0):  # hpZ
                 med["hpz_node_collectives"] = st.secondary_collectives
                 med["hpz_secondary_MiB"] = st.secondary_bytes / 2**20
