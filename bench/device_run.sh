@@ -21,7 +21,8 @@
 #   bash bench/device_run.sh step-ab # pytest -m gpu tests/test_gradients.py, then the optimizer step phase by phase at
 #                                    # simulated world 8 (6.7B and 0.94B GPT), main against the package in .before
 #   bash bench/device_run.sh steps   # bench/step_profile.py: device time and blocking host calls per phase, unsharded
-#                                    # and z3ext, 0.94B and 0.47B GPT at simulated worlds 8 and 64 (STEPS_SYSTEMS, STEPS_RUNS)
+#                                    # and z3ext, 0.94B and 0.47B GPT at simulated worlds 8 and 64 (STEPS_SYSTEMS, STEPS_RUNS:
+#                                    # "narrow|0.94B|6.7B W;..."; STEPS_PYTOP=N adds a cProfile of the backward)
 #   bash bench/device_run.sh tiny    # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases
 #                                    # (profile_host.py) and the bench with its NVML sampler on and off
 #   bash bench/device_run.sh world1-ab  # the 0.94B GPT at world 1 (real): main against the package in .before,
@@ -88,8 +89,9 @@ if [[ $what == steps ]]; then
   for run in "${runs[@]}"; do
     set -- $run
     shape=""; [[ $1 == narrow ]] && shape="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+    [[ $1 == 6.7B ]] && shape="--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"
     timeout -k 5 150 python3 bench/step_profile.py --sim-world "$2" $shape --systems "${STEPS_SYSTEMS:-unsharded,z3ext}" \
-      --steps 3 --warmup 2 2>&1 | grep -v Warning | tee "$LOG/steps-$1-w$2.log" | sed -n '/^# bench/,$p'
+      --steps 3 --warmup 2 ${STEPS_PYTOP:+--python-top $STEPS_PYTOP} 2>&1 | grep -v Warning | tee "$LOG/steps-$1-w$2.log" | sed -n '/^# bench/,$p'
   done
 fi
 if [[ $what == tiny ]]; then  # the 0.94B GPT's tiny no_grad forward at simulated world 8: host phases, and with
