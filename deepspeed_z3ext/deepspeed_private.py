@@ -44,6 +44,12 @@ def grad_partitions(optimizer):
     return getattr(optimizer, _GRAD_PARTITIONS, None)
 
 
+def backward_hook_state(optimizer):
+    """The optimizer's backward-hook bookkeeping (hooks fired, expected, reentrant phases, the epilogue
+    decision): the object stock's optimizer methods of those names delegate to."""
+    return optimizer._backward_hook_state
+
+
 def active_fallback():
     """DeepCompile's module-global eager fallback of the running engine.forward (None outside)."""
     from deepspeed.compile import z3_eager_fallback

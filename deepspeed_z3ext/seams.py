@@ -77,7 +77,7 @@ def _table():
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from deepspeed_z3ext import config, epoch, external, fallback, gathered, grads, norm, offload, swap
+    from deepspeed_z3ext import config, epoch, external, fallback, gathered, grad_hooks, grads, norm, offload, swap
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -104,6 +104,9 @@ def _table():
              "NVMe parameter swapping on z3ext's aio_handle"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_rigid_load_state_dict", swap.rigid_load_state_dict,
              "checkpoint load with NVMe-resident sub-groups (stock 0.19.8 crashes there)"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "create_reduce_and_remove_grad_hooks", grad_hooks.create_hooks,
+             "a z3ext engine's per-parameter gradient hooks make stock's calls without its wrappers "
+             "([Note: lean gradient hook])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "reduce_independent_p_g_buckets_and_remove_grads", grads.note_gradient,
              "a gradient is noted in z3ext's bucket, reduce-scattered by the C++ op ([Note: gradient path])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "independent_gradient_partition_epilogue", grads.epilogue,

@@ -92,7 +92,9 @@ def train_both(case, steps=4):
                 norms.append(float(norm) if norm is not None else None)
         state = of_optimizer(engine.optimizer)
         reducer = state.grad_reducer if state is not None else None
-        runs[name] = dict(losses=losses, partitions=partitions, norms=norms, params=full_params(engine), between=between,
+        hooks = [h.hooks_dict_ref()[h.id] for h in engine.optimizer._grad_acc_hooks]
+        runs[name] = dict(hooks=sorted({getattr(f, "__name__", "?") for f in hooks}), n_hooks=len(hooks),
+                          trainable=sum(p.requires_grad for p in engine.module.parameters()),losses=losses, partitions=partitions, norms=norms, params=full_params(engine), between=between,
                           stats=reducer.stats()._asdict() if reducer else None,
                           bucket_numel=[b.buffer.numel() for b in engine.optimizer.ipg_buckets.values()
                                         if b.buffer is not None],
@@ -107,7 +109,8 @@ def train_both(case, steps=4):
     return dict(stock_losses=stock["losses"], z3_losses=z3["losses"], stock_norms=stock["norms"], z3_norms=z3["norms"], partition_diffs=partition_diffs,
                 n_partitions=sum(len(p) for p in z3["partitions"]), mismatched=mismatched, stats=z3["stats"],
                 stock_bucket=stock["bucket_numel"], z3_bucket=z3["bucket_numel"], skipped=(stock["skipped"], z3["skipped"]),
-                dtype=z3["dtype"], converted=z3["converted"], backend=dist.get_backend(), stock_between=stock["between"], z3_between=z3["between"])
+                dtype=z3["dtype"], converted=z3["converted"], backend=dist.get_backend(), stock_between=stock["between"], z3_between=z3["between"],
+                hooks=(stock["hooks"], z3["hooks"]), n_hooks=(stock["n_hooks"], z3["n_hooks"], z3["trainable"]))
 
 
 def norms_agree(stock, z3, rtol):
@@ -127,6 +130,10 @@ def check(results, case, norm_rtol=0.0):
         assert not r["partition_diffs"], f"rank {rank}: gradient partitions differ at (backward, parameter index) {r['partition_diffs'][:8]}"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
         assert r["skipped"][0] == r["skipped"][1]
+        # [Note: lean gradient hook]: every trainable parameter's hook is z3ext's (whichever path reduces), the
+        # stock engine's are stock's.
+        assert r["hooks"] == (["wrapped_fn"], ["z3ext_reduce_partition_and_remove_grads"]), r["hooks"]
+        assert r["n_hooks"][0] == r["n_hooks"][1] == r["n_hooks"][2], r["n_hooks"]
         if case in STOCK_PATH:
             assert r["stats"] is None, f"z3ext reduced gradients although {case} keeps DeepSpeed's path"
             assert r["z3_bucket"] == r["stock_bucket"]

@@ -1,0 +1,76 @@
+"""The per-parameter gradient hook of a z3ext engine: stock's decisions, fewer calls ([Note: lean gradient hook]).
+
+[Note: lean gradient hook] Stage 3 registers one post-accumulate-grad hook per trainable parameter
+(`create_reduce_and_remove_grad_hooks`). Stock's hook is `instrument_w_nvtx(reduce_partition_and_remove_grads)`:
+around its work, an NVTX range push and pop through the accelerator (two `is_compiling` checks each), then
+optimizer methods that delegate to its backward-hook state, `reduce_ready_partitions_and_remove_grads`, and
+the seam that finds the z3ext reducer from the parameter: about 15 Python calls per parameter (a 32-layer
+GPT's 388 gradients: ~1.5 ms of a host-bound backward on the H200 host under cProfile, bench/NOTES.md v25).
+For a z3ext engine each of those hooks is replaced, once, right after stock registers them, by one
+function that makes the same calls on DeepSpeed's own state in the same order: the refresh predicate,
+the re-entry of a reentrant-checkpoint phase, the gradient's note (skipped inside
+`coalesce_grad_reduction`, as stock's `reduce_ready_partitions_and_remove_grads` skips it), the
+expected-hook count (stage 3's `count_used_parameters_in_backward`, looked up when called so its seam
+applies) and the epilogue decision. What differs: no NVTX range named `reduce_partition_and_remove_grads`
+in a profiler's timeline, and the reducer is read from the engine's state instead of through the seam.
+The leaf-module hooks (`reduce_leaf_module_grads`) stay stock's. Parameters a z3ext engine does not own
+(and engines whose gradients take DeepSpeed's path) note through `reduce_independent_p_g_buckets_and_remove_grads`
+as before.
+"""
+from deepspeed.runtime.zero import stage3
+from deepspeed.utils import z3_leaf_parameter
+
+from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext.errors import Z3extError
+from deepspeed_z3ext.grads import reducer_of
+from deepspeed_z3ext.state import of_optimizer
+
+
+def _hooked_params(optimizer):
+    """The parameters stock hooked, in the order it appended their handles to `_grad_acc_hooks`."""
+    return [p for group in optimizer.fp16_groups for p in group if p.requires_grad and not z3_leaf_parameter(p)]
+
+
+def _lean_hook(optimizer, state, param, counted, leaf_modules):
+    """[Note: lean gradient hook]"""
+
+    def z3ext_reduce_partition_and_remove_grads(*_):
+        hooks = private.backward_hook_state(optimizer)
+        refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
+        hooks.reenter_backward_if_needed()
+        if not optimizer._coalesce_grad_reduction:
+            reducer = state.grad_reducer
+            if reducer is None:  # the first gradient of the engine decides z3ext's path or DeepSpeed's
+                reducer = reducer_of(optimizer, param)
+            if reducer:
+                reducer.note(param)
+            else:
+                optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
+        if refresh:
+            expected = stage3.count_used_parameters_in_backward(counted) + leaf_modules
+        else:
+            expected = hooks.max_expected_hooks_seen
+        hooks.update_hook_state_and_maybe_run_epilogue(expected)
+
+    return z3ext_reduce_partition_and_remove_grads
+
+
+def create_hooks(stock):
+    def create_reduce_and_remove_grad_hooks(self):
+        stock(self)
+        state = of_optimizer(self)
+        if state is None:
+            return
+        params = _hooked_params(self)
+        handles = self._grad_acc_hooks
+        if len(handles) != len(params):
+            raise Z3extError(f"z3ext: stage 3 registered {len(handles)} gradient hooks for {len(params)} trainable "
+                             "non-leaf parameters; this DeepSpeed version hooks differently "
+                             "(see deepspeed_private.TESTED_VERSIONS)")
+        leaf_modules = len(self.leaf_parameters)
+        for i, param in enumerate(params):
+            handles[i].remove()
+            handles[i] = param.register_post_accumulate_grad_hook(
+                _lean_hook(self, state, param, params, leaf_modules))
+
+    return create_reduce_and_remove_grad_hooks
