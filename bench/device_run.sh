@@ -28,6 +28,8 @@
 #   bash bench/device_run.sh world1-ab  # the 0.94B GPT at world 1 (real): main against the package in .before,
 #                                    # alternated processes (WORLD1_RUNS, default 4), each with its own op build;
 #                                    # .before: `git archive REV deepspeed_z3ext csrc op_builder | tar -x -C .before`
+#   bash bench/device_run.sh simworld-ab  # 0.47B and 0.94B GPT at simulated world 8, unsharded and z3ext: main against
+#                                    # .before, alternated processes (SIMAB_SHAPES, SIMAB_RUNS, SIMAB_WORLD)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -40,7 +42,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld* || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -132,6 +134,24 @@ if [[ $what == world1-ab ]]; then
       grep -v Warning | sed -n '/^# gather_release/,/^# ratios/p;/z3ext\/unsharded/p'
     cp bench/out/world1-$k.json "$LOG/" 2>/dev/null
   done 2>&1 | tee "$LOG/world1-ab.log"
+fi
+if [[ $what == simworld-ab ]]; then
+  # Simulated world (SIMAB_WORLD, default 8): main against the package in .before, unsharded and z3ext, alternated
+  # processes (SIMAB_RUNS per shape, default 2 each) on the 0.47B and the 0.94B GPT (SIMAB_SHAPES); ops as in world1-ab.
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  PYTHONPATH=/tmp/site:$PWD/.before:$PWD TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext-before \
+    python3 -c "from deepspeed_z3ext._ops import ops; ops(); print('ops of .before built')" || exit 1
+  for shape in ${SIMAB_SHAPES:-narrow 0.94B}; do
+    args=""; [[ $shape == narrow ]] && args="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+    for ((k = 0; k < 2 * ${SIMAB_RUNS:-2}; k++)); do
+      if ((k % 2 == 0)); then src=$PWD/.before ext=/tmp/z3ext-ext-before; else src="" ext=$TORCH_EXTENSIONS_DIR; fi
+      label=${src:+.before}; echo "## simulated world ${SIMAB_WORLD:-8}, $shape GPT, package: ${label:-main}"
+      mkdir -p bench/out
+      PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 120 python3 bench/gather_release.py \
+        --sim-world "${SIMAB_WORLD:-8}" $args --systems unsharded,z3ext --rounds 2 --steps 4 --warmup 2 \
+        --out bench/out/simab-$shape-$k.json 2>&1 | grep -v Warning | sed -n '/^# gather_release/,/^# ratios/p;/z3ext\/unsharded/p'
+    done
+  done 2>&1 | tee "$LOG/simworld-ab.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30

@@ -5,7 +5,8 @@
 A rank's gradient partitions (`--tensors` views of one flat buffer, `--numel` elements in all, sizes in
 the proportions of a GPT's parameters: a few large matrices, many small vectors) and the forms of their
 2-norm: stock's loop (`g.to(fp64).norm(2)` per partition), `torch._foreach_norm(..., dtype=fp64)` (z3ext's
-[Note: gradient norm]), the same in fp32, and one `linalg.vector_norm` of the flat buffer. Median ms over
+[Note: gradient norm]), the same in fp32, and the flat buffer (the partitions' consecutive run) as one
+tensor of `_foreach_norm` or of `linalg.vector_norm`. Median ms over
 repeats, wall from the host with the device synchronized, printed as a table.
 """
 import argparse
@@ -56,6 +57,7 @@ def main():
         "_foreach_norm dtype fp64": lambda: torch._foreach_norm(parts, 2.0, dtype=torch.float64),
         "_foreach_norm dtype fp32": lambda: torch._foreach_norm(parts, 2.0, dtype=torch.float32),
         "_foreach_norm (input dtype)": lambda: torch._foreach_norm(parts, 2.0),
+        "_foreach_norm of the flat buffer, fp64": lambda: torch._foreach_norm([flat], 2.0, dtype=torch.float64),
         "vector_norm of the flat buffer, fp64": lambda: torch.linalg.vector_norm(flat, 2.0, dtype=torch.float64),
         "vector_norm of the flat buffer, fp32": lambda: torch.linalg.vector_norm(flat, 2.0, dtype=torch.float32),
     }
