@@ -26,6 +26,7 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.compile.z3_eager_fallback", "DeepCompileZ3EagerFallback", "__new__"),
     ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper", "__new__"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_rigid_load_state_dict"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "create_reduce_and_remove_grad_hooks"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "reduce_independent_p_g_buckets_and_remove_grads"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "independent_gradient_partition_epilogue"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_pre_step"),
