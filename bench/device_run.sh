@@ -181,10 +181,10 @@ if [[ $what == simworld ]]; then
   # sim-<shape>-w<N>-r<K>.json, and the summary pools every process of a shape and world ([Note: alternated
   # worlds] in summarize.py). A third field adds systems to that run only ("0.94B 8 stock-mel").
   rm -f bench/out/sim-*.json bench/out/sim-*.log  # a warm machine keeps an earlier call's results
-  # Default: the performance issue's shapes and worlds, the 0.94B and 0.47B worlds alternated twice, stock with
-  # mel on the 6.7B and the first 0.94B pair (about 490 s with the GPU gradient tests before it).
+  # Default: the performance issue's shapes and worlds, the 0.94B worlds alternated twice and the 0.47B three times,
+  # stock with mel on the 6.7B and the first 0.94B pair (about 540 s with the GPU gradient tests before it).
   default_runs="6.7B 8 stock-mel;6.7B 64 stock-mel;0.94B 8 stock-mel;0.94B 64 stock-mel;narrow 8;narrow 64;0.94B 8;0.94B 64"
-  default_runs+=";narrow 8;narrow 64"
+  default_runs+=";narrow 8;narrow 64;narrow 8;narrow 64"  # the host-bound 0.47B backward: three pairs pooled
   IFS=';' read -ra runs <<< "${SIM_RUNS:-$default_runs}"
   for run in "${runs[@]}"; do
     set -- $run

@@ -390,6 +390,16 @@ class GradReducer:
         fused, self._fused_sub_group = self._fused_sub_group == sub_group_id, None
         return fused
 
+    def gradient_run(self, optimizer, sub_group_id):
+        """Sub-group `sub_group_id`'s gradient partitions as one view of the gradient buffer when they lie
+        back to back in it (the step view's run, [Note: step view validity]); else None."""
+        buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+        grads = optimizer.averaged_gradients.get(sub_group_id)
+        if buffer is None or not grads:
+            return None
+        run = self._run(buffer, sub_group_id, grads)
+        return None if run is None else buffer.narrow(0, run[0], run[1])
+
     def _run(self, buffer, sub_group_id, grads):
         """`_consecutive_run` of this step's partitions, recomputed whenever they are not the very tensors of
         the step it was computed for ([Note: step view validity])."""

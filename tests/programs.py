@@ -279,6 +279,8 @@ def run(program, z3ext):
                         layer.armed = False
                 loss = engine(_tokens(i, rank))
                 engine.backward(loss)
+                if z3ext and micro == program.ga - 1:
+                    check_gradient_runs(engine.optimizer)
                 engine.step()
                 losses.append(loss.item())
                 i += 1
@@ -286,6 +288,24 @@ def run(program, z3ext):
     finally:
         engine.destroy()
     return dict(losses=losses, params=params, failed=failed)
+
+
+def check_gradient_runs(optimizer):
+    """What the step's view and the norm read as a sub-group's gradient ([Note: step view validity],
+    [Note: gradient norm]): a run of the buffer holding exactly the step's partitions, or None where they do
+    not lie back to back (a frozen parameter's zeros)."""
+    import torch
+    from deepspeed_z3ext.state import of_optimizer
+    reducer = of_optimizer(optimizer).grad_reducer
+    if not reducer:
+        return
+    buffer = optimizer.grad_partitions_flat_buffer
+    for i, grads in optimizer.averaged_gradients.items():
+        run = reducer.gradient_run(optimizer, i)
+        views = all(g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for g in grads)
+        assert (run is not None) == views, f"sub-group {i}: run {run is not None}, partitions all views {views}"
+        if run is not None:
+            assert torch.equal(run, torch.cat([g.flatten() for g in grads])), f"sub-group {i}: the run differs"
 
 
 def compare(program):

@@ -66,6 +66,7 @@ def train_both(case, steps=4):
     from deepspeed_z3ext import deepspeed_private
     from deepspeed_z3ext.state import of_optimizer
     from tests.models import full_params
+    from tests.programs import check_gradient_runs
 
     extra, zero_extra, options, ga = CASES[case]
     rank = dist.get_rank()
@@ -82,6 +83,8 @@ def train_both(case, steps=4):
         for i in range(steps * ga):
             loss = -engine(_tokens(i, rank)).float().mean()  # engine.forward every micro-step: accumulation runs
             engine.backward(loss)
+            if name == "z3ext":
+                check_gradient_runs(engine.optimizer)
             parts = deepspeed_private.grad_partitions(engine.optimizer)
             partitions.append([parts[k].detach().clone() for k in sorted(parts)])  # ds_id order: the model's
             engine.step()
