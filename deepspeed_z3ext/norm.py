@@ -15,9 +15,9 @@ host work and launches of ~400 partitions (bench/norm_forms.py on the H200: 838M
 The fused kernel adds in another order than stock's loop, so on CUDA the norm may differ from stock's in
 rounding (the GPU tests print the largest relative difference measured and bound it by 1e-9); that
 reaches the numbers only where clipping triggers (the clip coefficient) and in the reported norm.
-`"z3ext": {"exact_grad_norm": true}` keeps stock's loop. Taken where stock's norm is a plain data-parallel one: z3ext owns the gradient path (no
-optimizer offload), no model-parallel group, no AutoEP experts, no Muon, and every sub-group on one
-process group with partitions; anything else runs stock's method.
+`"z3ext": {"exact_grad_norm": true}` keeps stock's loop. Taken where stock's norm is a plain data-parallel
+one: z3ext owns the gradient path (no optimizer offload), no model-parallel group, no AutoEP experts, no
+Muon, and every sub-group on one process group with partitions; anything else runs stock's method.
 """
 from typing import List, Optional
 
