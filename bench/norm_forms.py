@@ -8,6 +8,11 @@ the proportions of a GPT's parameters: a few large matrices, many small vectors)
 [Note: gradient norm]), the same in fp32, and the flat buffer (the partitions' consecutive run) as one
 tensor of `_foreach_norm` or of `linalg.vector_norm`. Median ms over
 repeats, wall from the host with the device synchronized, printed as a table.
+
+Then the total norm each fp64 form gives (stock's `sum(pow(stack(norms), 2)) ** 0.5`; for the flat run
+`pow(norm, 2) ** 0.5`, as [Note: gradient norm] computes it) against stock's loop on the same partitions:
+the largest relative difference over `--seeds` draws of each value distribution (`randn`; `randn` with a
+log-uniform scale per partition over 1e-4..1e4, as a model's layers differ).
 """
 import argparse
 import statistics
@@ -46,6 +51,7 @@ def main():
     p.add_argument("--tensors", type=int, default=390)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=5, help="draws per value distribution for the norms' differences")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
@@ -65,6 +71,38 @@ def main():
           f"{len(parts)} partitions, {sum(sizes) / 1e6:.0f}M {a.dtype} elements, median of {a.repeats}")
     for name, fn in forms.items():
         print(f"{name:>40}: {_time(fn, a.repeats):8.3f} ms")
+    _differences(flat, parts, a.seeds)
+
+
+def _total(norms):
+    """Stock's reduction of per-partition norms (`_get_norm_groups`, then the root)."""
+    return float(torch.sum(torch.pow(torch.stack(list(norms)), 2.0)) ** 0.5)
+
+
+def _differences(flat, parts, seeds):
+    f64 = torch.float64
+    totals = {
+        "_foreach_norm dtype fp64 (per partition)": lambda: _total(torch._foreach_norm(parts, 2.0, dtype=f64)),
+        "_foreach_norm of the flat run, fp64": lambda: float(torch.pow(torch._foreach_norm([flat], 2.0, dtype=f64)[0],
+                                                                        2.0) ** 0.5),
+        "vector_norm of the flat buffer, fp64": lambda: float(torch.linalg.vector_norm(flat, 2.0, dtype=f64)),
+    }
+    worst = {name: 0.0 for name in totals}
+    scales = torch.empty(len(parts), dtype=torch.float64)
+    for dist in ("randn", "randn, log-uniform scale per partition"):
+        for seed in range(seeds):
+            g = torch.Generator(device=flat.device).manual_seed(seed)
+            flat.copy_(torch.randn(flat.shape, generator=g, device=flat.device, dtype=flat.dtype))
+            if dist != "randn":
+                scales.uniform_(-4.0, 4.0, generator=torch.Generator().manual_seed(seed))
+                for part, s in zip(parts, scales.tolist()):
+                    part.mul_(10.0 ** s)
+            stock = _total(g.to(f64).norm(2) for g in parts)
+            for name, fn in totals.items():
+                worst[name] = max(worst[name], abs(fn() - stock) / stock)
+    print(f"# total norm against stock's loop, largest relative difference over {2 * seeds} draws")
+    for name, w in worst.items():
+        print(f"{name:>40}: {w:.3e}")
 
 
 if __name__ == "__main__":
