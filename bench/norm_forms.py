@@ -91,8 +91,8 @@ def _differences(flat, parts, seeds):
     scales = torch.empty(len(parts), dtype=torch.float64)
     for dist in ("randn", "randn, log-uniform scale per partition"):
         for seed in range(seeds):
-            g = torch.Generator(device=flat.device).manual_seed(seed)
-            flat.copy_(torch.randn(flat.shape, generator=g, device=flat.device, dtype=flat.dtype))
+            gen = torch.Generator(device=flat.device).manual_seed(seed)
+            flat.copy_(torch.randn(flat.shape, generator=gen, device=flat.device, dtype=flat.dtype))
             if dist != "randn":
                 scales.uniform_(-4.0, 4.0, generator=torch.Generator().manual_seed(seed))
                 for part, s in zip(parts, scales.tolist()):
