@@ -14,8 +14,8 @@ host work and launches of ~400 partitions (bench/norm_forms.py on the H200: 838M
 0.79 ms, 105M 1.03 -> 0.14 ms); a run broken by a frozen parameter's zeros takes the per-partition form.
 The fused kernel adds in another order than stock's loop, so on CUDA the norm may differ from stock's in
 rounding (the GPU tests print the largest relative difference and bound it by 1e-9; on an H200 at most
-2.2e-16 there, and none over 838M-element draws, bench/norm_forms.py); that
-reaches the numbers only where clipping triggers (the clip coefficient) and in the reported norm.
+2.2e-16 there, and none over 838M-element draws, bench/norm_forms.py); that reaches the numbers only where
+clipping triggers (the clip coefficient) and in the reported norm.
 `"z3ext": {"exact_grad_norm": true}` keeps stock's loop. Taken where stock's norm is a plain data-parallel
 one: z3ext owns the gradient path (no optimizer offload), no model-parallel group, no AutoEP experts, no
 Muon, and every sub-group on one process group with partitions; anything else runs stock's method.

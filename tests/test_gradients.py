@@ -97,7 +97,8 @@ def train_both(case, steps=4):
         reducer = state.grad_reducer if state is not None else None
         hooks = [h.hooks_dict_ref()[h.id] for h in engine.optimizer._grad_acc_hooks]
         runs[name] = dict(hooks=sorted({getattr(f, "__name__", "?") for f in hooks}), n_hooks=len(hooks),
-                          trainable=sum(p.requires_grad for p in engine.module.parameters()),losses=losses, partitions=partitions, norms=norms, params=full_params(engine), between=between,
+                          trainable=sum(p.requires_grad for p in engine.module.parameters()),
+                          losses=losses, partitions=partitions, norms=norms, params=full_params(engine), between=between,
                           stats=reducer.stats()._asdict() if reducer else None,
                           bucket_numel=[b.buffer.numel() for b in engine.optimizer.ipg_buckets.values()
                                         if b.buffer is not None],
