@@ -50,7 +50,7 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # by DeepSpeed's stage-3 path: z3ext.reduce_gradients false), "z3ext-nogroups" (one fetch unit per
 # module: z3ext.fetch_group_numel 0), "z3ext-memberclaims" / "z3ext-blockclaims" (a block not held is
 # gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
-# "z3ext-divide" (stock's divide pass before the reduce-scatter: z3ext.divide_in_collective false),
+# "z3ext-divide" (stock's divide pass before the reduce-scatter: z3ext.divide_after_reduce false),
 # "z3ext@N" (the sweep).
 
 
@@ -191,7 +191,7 @@ def build_system(name, a, device):
         if "freegrads" in variants:
             options["free_grad_partitions"] = True
         if "divide" in variants:
-            options["divide_in_collective"] = False
+            options["divide_after_reduce"] = False
         if "nogroups" in variants:
             options["fetch_group_numel"] = 0
         if "memberclaims" in variants or "blockclaims" in variants:

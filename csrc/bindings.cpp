@@ -25,16 +25,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "reduce_scatter_grads",
       [](const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests,
          int64_t rank, int64_t world, at::ScalarType comm_dtype, double averaging_scale, bool accumulate,
-         bool collective_divides) {
+         bool divide_after) {
         auto r = oom_as_python([&] {  // [Note: out of memory]
           return reduce_scatter_grads(collective, grads, dests, rank, world, comm_dtype, averaging_scale, accumulate,
-                                      collective_divides);
+                                      divide_after);
         });
         return std::make_tuple(r.reduced, r.laid_out, r.writes);
       },
       py::arg("collective"), py::arg("grads"), py::arg("dests"), py::arg("rank"), py::arg("world"),
       py::arg("comm_dtype"), py::arg("averaging_scale"), py::arg("accumulate"),
-      py::arg("collective_divides"));  // [Note: gradient arithmetic] in reduce.h
+      py::arg("divide_after"));  // [Note: gradient arithmetic] in reduce.h
 
   py::enum_<ClaimKind>(m, "ClaimKind")
       .value("FORWARD", ClaimKind::Forward)

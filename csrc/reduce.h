@@ -6,7 +6,8 @@
 //   1. each gradient in the communication dtype (stock converts whole gradients, here chunk by chunk:
 //      the same rounding), laid out rank-major with each parameter's chunk padded to ceil(numel/world);
 //   2. `div_(world)` (stock's pre-divide inside reduce_scatter_coalesced), one op over the whole buffer
-//      (stage 3 refuses gradient_predivide_factor != 1 with reduce-scatter, z3ext's only mode);
+//      (stage 3 refuses gradient_predivide_factor != 1 with reduce-scatter, z3ext's only mode), or
+//      after step 3 over this rank's shard ([Note: divide after the reduce]);
 //   3. one reduce-scatter (sum) for the bucket;
 //   4. `mul_(averaging_scale)` when given (AutoEP experts), then the accumulation dtype;
 //   5. per parameter with real data on this rank: `copy_` into its partition (first micro-step) or
@@ -20,14 +21,21 @@
 // [Note: direct slices] A slice of one gradient whose numel is a multiple of the world is its own
 // rank-major layout (chunk r of the flat gradient is rank r's): it goes to the collective without a
 // layout copy, divided out of place (the gradient stays intact for [Note: failed pass]) or, where the
-// collective divides, as it is. The output is a chunk of its own for the same reason.
-// [Note: divide in the collective] Step 2 over the whole buffer is a pass of its own on the device
+// shard is divided after the reduce, as it is. The output is a chunk of its own for the same reason.
+// [Note: divide after the reduce] Step 2 over the whole buffer is a pass of its own on the device
 // (at GPT 6.7B, 13 GB read and written per step: 12 ms of a 150 ms step at simulated world 8 on an H200).
-// Where the caller's collective scales each input by 1/world before summing (NCCL's PREMUL_SUM, as FSDP2
-// uses NCCL's AVG) and the world is a power of two, `x * (1/world)` and `x / world` are both the exact
-// quotient rounded once: the caller passes `collective_divides` and step 2 is skipped. Elsewhere (gloo,
-// other worlds, `z3ext.divide_in_collective: false`) it runs as stock's. Never on one rank: torch 2.11's NCCL on
-// one rank returns the input unscaled (seen on an H200; FSDP2 avoids AVG there for the same reason).
+// For a power-of-two world, x / world is exact (an exponent change) and a sum's rounding is invariant
+// under a power-of-two scale, so the sum of the pre-divided inputs equals the sum divided afterwards,
+// bit for bit, in the same summation order (the collective's, whatever it is): the shard is divided
+// after the collective, 1/world of stock's pass. Exceptions: values under the smallest normal number
+// (pre-dividing rounds a subnormal quotient; dividing after keeps its bits) and sums past the largest
+// finite number (an overflow stock's pre-divided sum avoids). For fp32 and bf16 (range 1e-38..3e38)
+// neither occurs in gradients; fp16's range (6e-5..65504) is where they occur, so an fp16 reduction
+// keeps stock's pre-divide (the caller decides: `divide_after`). Checked bitwise against stock on CPU
+// with gradients of log-uniform magnitudes down to 1e-30 (tests/test_gradients.py). NCCL's PREMUL_SUM
+// (the collective scaling each input) is not used: torch 2.11's `_make_nccl_premul_sum` packs the factor
+// as a 4-byte float that NCCL reads 2 bytes of for a bf16 reduction (0 for every power of two: all-zero
+// gradients; pytorch issue 190745).
 #pragma once
 #include <torch/extension.h>
 #include <functional>
@@ -108,13 +116,13 @@ inline void lay_out(at::Tensor& buf, const std::vector<at::Tensor>& flat, int64_
 }
 
 // `grads[i]` is a full gradient (numel of the parameter), `dests[i]` this rank's gradient partition
-// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". `collective_divides`:
-// the collective scales its input by 1/world ([Note: divide in the collective]). Runs on the
+// (at least ceil(numel/world) elements). An averaging_scale of 0 means "not applied". `divide_after`:
+// divide this rank's reduced shard, not the inputs ([Note: divide after the reduce]). Runs on the
 // current stream; on CUDA the gradients are marked as used by it (they were made on the compute stream).
 inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads,
                                                 const std::vector<at::Tensor>& dests, int64_t rank, int64_t world,
                                                 at::ScalarType comm_dtype, double averaging_scale, bool accumulate,
-                                                bool collective_divides) {
+                                                bool divide_after) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(grads.size() == dests.size(), "z3ext reduce_scatter_grads: ", grads.size(), " gradients but ",
               dests.size(), " partitions");
@@ -158,25 +166,27 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
     write_partitions(dsts, srcs, accumulate);
     return {reduced, 0, static_cast<int64_t>(dsts.size())};
   }
-  TORCH_CHECK(!collective_divides || (world & (world - 1)) == 0,
-              "z3ext reduce_scatter_grads: the collective divides only for a power-of-two world, not ", world);
+  TORCH_CHECK(!divide_after || ((world & (world - 1)) == 0 && comm_dtype != at::kHalf),
+              "z3ext reduce_scatter_grads: dividing after the reduce is exact only for a power-of-two world and "
+              "not fp16, not world ", world, " in ", comm_dtype);
   at::Tensor buf, mine;
   int64_t laid_out = 0;
   if (grads.size() == 1 && flat[0].numel() == world * per_rank) {  // [Note: direct slices]
     const at::Tensor& f = flat[0];
     const bool converted = f.scalar_type() != comm_dtype;
     buf = converted ? f.to(comm_dtype) : f;
-    if (!collective_divides) buf = converted ? buf.div_(world) : buf.div(world);  // 2.
+    if (!divide_after) buf = converted ? buf.div_(world) : buf.div(world);  // 2.
     mine = at::empty({per_rank}, buf.options());
     if (world > 1) collective(mine, buf);  // 3.
   } else {
     buf = at::empty({world * per_rank}, grads.front().options().dtype(comm_dtype));
     lay_out(buf, flat, world, per_rank, comm_dtype);  // 1.
     laid_out = buf.numel();
-    if (!collective_divides) buf.div_(world);  // 2.
+    if (!divide_after) buf.div_(world);  // 2.
     mine = buf.narrow(0, rank * per_rank, per_rank);
     if (world > 1) collective(mine, buf);  // 3.
   }
+  if (divide_after) mine.div_(world);  // 2. [Note: divide after the reduce]
   // 4.
   if (averaging_scale != 0.0) mine.mul_(averaging_scale);
   // 5. [Note: partition runs]

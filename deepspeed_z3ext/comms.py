@@ -45,27 +45,17 @@ def _record(name, seconds, msg_size, count=1):
         ds_comm.comms_logger.append(name, name, seconds * 1000.0 / count, msg_size // count)
 
 
-# c10d backends whose reduce-scatter takes PREMUL_SUM: NCCL (torch's `_make_nccl_premul_sum`). A backend that
-# stands in for NCCL (bench/simworld) adds its name.
-PREMUL_SUM_BACKENDS = {"nccl"}
+def divides_after_reduce(world, comm_dtype) -> bool:
+    """Whether the flush divides the reduced shard instead of stock's inputs ([Note: divide after the reduce]
+    in csrc/reduce.h): the same bits for a power-of-two world of two or more, unless in fp16."""
+    import torch
+    return world > 1 and world & (world - 1) == 0 and comm_dtype != torch.float16
 
 
-def divides_in_collective(group, world) -> bool:
-    """Whether the flush's collective scales by 1/world itself ([Note: divide in the collective] in
-    csrc/reduce.h): a power-of-two world on a backend with PREMUL_SUM."""
-    import torch.distributed as dist
-    return world > 1 and world & (world - 1) == 0 and dist.get_backend(group) in PREMUL_SUM_BACKENDS
-
-
-def reduce_scatter_fn(group, divide_by=None):
+def reduce_scatter_fn(group):
     """The flush's collective: `deepspeed.comm.reduce_scatter_fn(output, input, group=group)`, looked up
-    when called, as stock calls it ([Note: comms logger]); with `divide_by`, summing inputs scaled by
-    1/divide_by (PREMUL_SUM) instead."""
-    if divide_by is None:
-        return lambda output, input: ds_comm.reduce_scatter_fn(output, input, group=group)
-    import torch.distributed as dist
-    op = dist._make_nccl_premul_sum(1.0 / divide_by)
-    return lambda output, input: ds_comm.reduce_scatter_fn(output, input, op=op, group=group)
+    when called, as stock calls it ([Note: comms logger])."""
+    return lambda output, input: ds_comm.reduce_scatter_fn(output, input, group=group)
 
 
 class LoggedGatherEngine:

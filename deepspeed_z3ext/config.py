@@ -62,10 +62,10 @@ class Z3extConfig(BaseModel):
     `reduce_bucket_size` elements, from the gradients autograd made (grads.py); false: DeepSpeed's
     bucket copies. Either way the partitions hold the same bits."""
 
-    divide_in_collective: StrictBool = True
-    """On NCCL with a power-of-two world the reduce-scatter scales its inputs by 1/world (PREMUL_SUM), the
-    bits of stock's pre-divide without its pass over the gradients ([Note: divide in the collective] in
-    csrc/reduce.h); false: stock's `div_` before the collective everywhere."""
+    divide_after_reduce: StrictBool = True
+    """At a power-of-two world (not in fp16) the flush divides this rank's reduced shard by the world, the
+    bits of stock's pre-divide at 1/world of its pass ([Note: divide after the reduce] in csrc/reduce.h);
+    false: stock's `div_` of the whole bucket before the collective everywhere."""
 
     exact_grad_norm: StrictBool = False
     """The step's gradient norm by stock's per-parameter loop; false (default): one multi-tensor norm

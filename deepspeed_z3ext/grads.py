@@ -127,7 +127,7 @@ class GradReduceStats(NamedTuple):
     partitions_freed: int  # steps after which the gradient partitions were freed ([Note: gradient partitions between steps])
     unscales_fused: int   # sub-group unscales done in the step gradient's copy ([Note: fused unscale])
     direct_reduce_scatters: int  # of reduce_scatters, those of one gradient without a layout ([Note: direct slices])
-    divided_in_collective: int   # of reduce_scatters, those whose collective divided (PREMUL_SUM, [Note: divide in the collective])
+    divided_after_reduce: int   # of reduce_scatters, those whose shard was divided after it ([Note: divide after the reduce])
     partition_writes: int  # tensors written into the partitions: consecutive ones as one run ([Note: partition runs] in csrc/reduce.h)
 
 
@@ -185,8 +185,7 @@ class GradReducer:
         self._n_direct = 0
         self._n_divided = 0
         self._n_writes = 0
-        self._divide_in_collective = state.config.divide_in_collective
-        self._divides = {}  # process group -> its collective divides ([Note: divide in the collective])
+        self._divide_after = state.config.divide_after_reduce  # [Note: divide after the reduce] in csrc/reduce.h
         self._n_abandoned = 0
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
         self._pass_task = None  # its autograd graph task
@@ -262,10 +261,8 @@ class GradReducer:
         scale = world / float(averaging) if averaging != world else 0.0
         accumulate = optimizer.micro_step_id != 0
         reduce_scatter = ops().reduce_scatter_grads
-        divides = self._divides.get(group)
-        if divides is None:
-            divides = self._divides[group] = self._divide_in_collective and comms.divides_in_collective(group, world)
-        collective = comms.reduce_scatter_fn(group, world if divides else None)
+        divides = self._divide_after and comms.divides_after_reduce(world, self.comm_dtype)
+        collective = comms.reduce_scatter_fn(group)
         reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream

@@ -160,9 +160,11 @@ def check(results, case, norm_rtol=0.0):
         else:
             assert st["flushes"] == backwards, f"expected one flush per backward: {st}"
             assert st["direct_reduce_scatters"] == 0, st
-        # [Note: divide in the collective]: NCCL at a power-of-two world of two or more scales in the collective,
-        # gloo never (two GPUs: test_gradient_path_on_gpu[*-2] compares that path with stock's divide).
-        assert st["divided_in_collective"] == (st["reduce_scatters"] if r["backend"] == "nccl" else 0), st
+        # [Note: divide after the reduce]: at a power-of-two world of two or more the shard is divided after the
+        # collective, on any backend, unless the reduction is in fp16 (stock's pre-divide).
+        fp16_comm = "fp16" in case and "fp32-comm" not in case
+        expected = 0 if fp16_comm or options.get("divide_after_reduce") is False else st["reduce_scatters"]
+        assert st["divided_after_reduce"] == expected, st
         # [Note: partition runs]: partitions that lie back to back are written as one run (one rank: one each;
         # the small buckets' slices hold one or two parameters).
         if len(results) > 1 and "reduce_bucket_size" not in zero_extra:

@@ -73,14 +73,6 @@ def init(world, backend=BACKEND, device=None):
     else:
         raise ValueError(f"unknown simulated-world backend {backend!r} (simworld or fake)")
     steps_whatever_the_values()
-    if device.type == "cuda" and backend == BACKEND:
-        # On a GPU the backend stands in for NCCL, whose reduce-scatter scales by 1/world itself (PREMUL_SUM, as
-        # FSDP2's AVG): z3ext's flush skips its own divide there ([Note: divide in the collective]).
-        try:
-            from deepspeed_z3ext import comms
-        except ImportError:
-            comms = None
-        getattr(comms, "PREMUL_SUM_BACKENDS", set()).add(BACKEND)  # (absent in packages before the note)
     if device.type == "cpu":
         # The chunks no rank wrote hold leftover bytes; denormals among them would slow CPU math.
         torch.set_flush_denormal(True)
