@@ -102,6 +102,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stale_references", &GatherEngine::stale_references)  // [Note: true release]
       .def_property_readonly("handles", &GatherEngine::handles)
       .def_property_readonly("live_numel", [](const GatherEngine& e) { return e.stats().live_numel; })
+      .def("schedule", [](GatherEngine& e) {  // [Note: schedule fingerprint] in schedule.h
+        const ScheduleLog& s = e.schedule();
+        return py::make_tuple(s.count(), s.hash(), s.entries());
+      })
+      .def("reset_schedule", [](GatherEngine& e) { e.schedule().reset(); })
       .def("stats", [](const GatherEngine& e) {
         const auto& s = e.stats();
         py::dict d;

@@ -34,4 +34,13 @@ inline void all_gather_coalesced_into(c10d::ProcessGroup& group, std::vector<at:
   work->wait();
 }
 
+// [Note: gloo on CUDA tensors] gloo moves CUDA tensors (several ranks on one GPU run this way), but
+// torch's gloo `allgather_into_tensor_coalesced` on CUDA tensors crashes the process (torch 2.11 on an
+// H200, two ranks on cuda:0), while its `_allgather_base` works. A group whose CUDA backend is gloo
+// gathers CUDA tensors one collective per tensor: the same bytes in the same order on every rank.
+inline bool coalesces(c10d::ProcessGroup& group, const at::Device& device) {
+  if (!device.is_cuda() || !group.hasBackendForDeviceType(c10::DeviceType::CUDA)) return true;
+  return group.getBackend(c10::DeviceType::CUDA)->getBackendName() != "gloo";
+}
+
 }  // namespace z3ext

@@ -6,6 +6,7 @@
 #include <utility>
 #include "collectives.h"
 #include "residency.h"
+#include "schedule.h"
 #include "unit.h"
 
 namespace z3ext {
@@ -251,6 +252,7 @@ class GatherEngine {
   }
 
   const EngineStats& stats() const { return stats_; }
+  ScheduleLog& schedule() { return schedule_; }
   const std::vector<HandlePtr>& handles() const { return handles_; }
 
  private:
@@ -476,13 +478,23 @@ class GatherEngine {
             flat[i] = mine;
           }
         }
+        int64_t issued = 1;
+        {  // [Note: schedule fingerprint] in schedule.h
+          std::vector<std::pair<int64_t, int64_t>> ids;
+          ids.reserve(params.size());
+          for (auto& hp : params) ids.emplace_back(hp.first->ds_id, hp.first->numel);
+          schedule_.note(ids.begin(), ids.end(), static_cast<int64_t>(dtype), secondary);
+        }
         if (outs.size() == 1) {
           all_gather_into(pg, outs[0], flat[0]);
-        } else {
+        } else if (coalesces(pg, device)) {
           all_gather_coalesced_into(pg, outs, flat);
+        } else {  // [Note: gloo on CUDA tensors] in collectives.h
+          for (size_t i = 0; i < outs.size(); ++i) all_gather_into(pg, outs[i], flat[i]);
+          issued = static_cast<int64_t>(outs.size());
         }
-        stats_.collectives++;
-        if (secondary) stats_.secondary_collectives++;
+        stats_.collectives += issued;
+        if (secondary) stats_.secondary_collectives += issued;
       }
       ready = Fence::record_current(device);
     });
@@ -688,6 +700,7 @@ class GatherEngine {
   py::object secondary_available_;  // PartitionedParamStatus.AVAILABLE, set with the first secondary
   std::vector<HandlePtr> handles_;
   EngineStats stats_;
+  ScheduleLog schedule_;  // [Note: schedule fingerprint]
   std::unique_ptr<Residency> residency_;  // null: every partition is in memory
 };
 

@@ -11,7 +11,7 @@ own constructor argument (so `"strict": 1` vanished), and validates laxly (`"yes
 Trainer fills `"auto"` only in DeepSpeed keys it knows, so nothing would ever decide a z3ext one.
 """
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
@@ -77,6 +77,11 @@ class Z3extConfig(BaseModel):
     each step to the window's first reduce-scatter, which re-allocates them zeroed ([Note: gradient
     partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter gets a
     gradient in each window; one that gets none steps on zeros, not on stock's stale partition."""
+
+    schedule_check: Literal["step", "forward", "off"] = "step"
+    """Ranks compare a fingerprint of their all-gathers (one tiny all-gather) at every optimizer step
+    ("step"), also at every outermost forward ("forward", for debugging), or never ("off"); a mismatch
+    raises on every rank naming the first module where they differ ([Note: schedule check] in schedule.py)."""
 
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims

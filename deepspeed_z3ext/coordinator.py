@@ -51,7 +51,7 @@ class Z3extCoordinator:
         self._forwards = 0
         self._last_warning = None
         self._fwd, self._bwd = claims.FORWARD, claims.BACKWARD
-        self.backward_claims = BackwardClaims(state.engine)
+        self.backward_claims = BackwardClaims(state.engine, state.agreement)
         self._in_step = False  # inside the optimizer's step (optimizer_step)
         # [Note: fetch groups] in groups.py: formed when the first plan is adopted
         self._group_max = max_live_numel // 2 if group_max_numel is None else group_max_numel
@@ -92,6 +92,9 @@ class Z3extCoordinator:
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
+            check = self.state.schedule_check
+            if check is not None and check.every_forward:
+                check.check("at an outermost forward")  # [Note: schedule check] in schedule.py
             _clean_module_stack()
             self.running.clear()
             self._close_all_groups()
@@ -336,6 +339,9 @@ class Z3extCoordinator:
     def optimizer_step(self):
         """The stage-3 optimizer's step runs inside (seams.py): its release of everything keeps the
         persistent parameters gathered ([Note: persistent refresh] in csrc/engine.h)."""
+        check = self.state.schedule_check
+        if check is not None:
+            check.check("at the optimizer step")  # [Note: schedule check] in schedule.py
         self._in_step = True
         try:
             yield
@@ -356,9 +362,9 @@ class Z3extCoordinator:
             self.state.check_leaks("at the optimizer step")
 
     def release_backward_leftovers(self):
-        """DeepSpeed's end-of-backward epilogue. Backward claims end with their graph or pass
-        ([Note: graph claims]), which may outlive this backward; only freed graphs are dropped."""
-        self.backward_claims.collect()
+        """DeepSpeed's end-of-backward epilogue: nothing. Backward claims end with their graph or pass
+        ([Note: graph claims]), which may outlive this backward; freed graphs are dropped at the next
+        outermost forward, when the ranks agree ([Note: one schedule on every rank] in schedule.py)."""
 
 
 def _clean_module_stack():

@@ -13,8 +13,10 @@ autograd graph that saved those parameters, and ends only when that graph cannot
   claims are dropped when that backward pass completes (an autograd engine callback). A backward
   that reached only some outputs leaves the graph claimed.
 - A graph whose output nodes were all freed without such a backward (the loss abandoned) is
-  dropped at the next forward, optimizer step or backward pass end: the pre-hooks share a sentinel
-  whose finaliser queues the token (no engine call from a finaliser: it may run anywhere).
+  dropped at the next outermost forward once it is dead on every rank, or at the optimizer step: the
+  pre-hooks share a sentinel whose finaliser queues the token (no engine call from a finaliser: it may
+  run anywhere), and the ranks vote on the queued deaths ([Note: one schedule on every rank] in
+  schedule.py). When a rank drops an output is its own business; what is gathered next is not.
 - Another forward, with or without grad, of the same or other modules, never drops a graph's
   claims (the DPO reference forward, a teacher forward). The optimizer step drops all of them: the
   step rewrites partitions, so a full parameter held across it would be stale.
@@ -96,13 +98,15 @@ class _RootHook:
 class BackwardClaims:
     """Tokens for Backward claims and when they end, for one coordinator."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, agreement):
         self._engine = engine      # the C++ GatherEngine
+        self._agree = agreement    # schedule.RankAgreement: the vote on graph deaths
         self._kind = claims.BACKWARD
         self._next = claims.TOKEN_BASE  # tokens never collide with module ds_ids ([Note: claim owners])
         self.open: Optional[_Graph] = None
         self._sealed: Dict[int, _Graph] = {}
-        self._dead = collections.deque()
+        self._dead = collections.deque()  # tokens whose sentinel died (appended by finalisers)
+        self._dead_here = set()  # sealed graphs dead on this rank, not yet on every rank
         self._passes: Dict[int, List[int]] = {}  # graph task id -> tokens to drop when it completes
 
     def new_token(self) -> int:
@@ -137,6 +141,7 @@ class BackwardClaims:
         g.reached.add(index)
         if len(g.reached) == g.roots:
             del self._sealed[token]
+            self._dead_here.discard(token)
             self.on_pass_end(token)
 
     # -- tokens of one backward pass -------------------------------------------------------------
@@ -151,7 +156,6 @@ class BackwardClaims:
 
     def _end_pass(self, task):
         self._drop(self._passes.pop(task, ()))
-        self.collect()
 
     def drop(self, token) -> None:
         self._drop([token])
@@ -162,14 +166,22 @@ class BackwardClaims:
 
     # -- between forwards --------------------------------------------------------------------------
     def collect(self) -> None:
-        """Drops graphs whose outputs were freed without a backward through all of them."""
-        dead = self._dead
-        tokens = []
+        """Drops the graphs whose outputs were freed without a backward through all of them, on every
+        rank: a vote while any graph is sealed ([Note: one schedule on every rank] in schedule.py)."""
+        dead, here, sealed = self._dead, self._dead_here, self._sealed
         while dead:
             t = dead.popleft()
-            if self._sealed.pop(t, None) is not None:
-                tokens.append(t)
-        self._drop(tokens)
+            if t in sealed:
+                here.add(t)
+        if not sealed:
+            return
+        tokens = sorted(sealed)
+        agreed = self._agree.all_true([t in here for t in tokens])
+        gone = [t for t, d in zip(tokens, agreed) if d]
+        for t in gone:
+            del sealed[t]
+            here.discard(t)
+        self._drop(gone)
 
     def start_forward(self) -> None:
         """An outermost forward starts: a forward that raised left its graph open (no outputs), and
@@ -181,7 +193,8 @@ class BackwardClaims:
             tokens = [t for ts in self._passes.values() for t in ts]
             self._passes.clear()
             self._drop(tokens)
-        self.collect()
+        if not in_backward():  # (a recomputation inside a backward decides nothing)
+            self.collect()
 
     def forget_all(self) -> None:
         """The optimizer step swept every Backward claim: no graph or pass holds anything now."""
@@ -189,6 +202,7 @@ class BackwardClaims:
         self._sealed.clear()
         self._passes.clear()
         self._dead.clear()
+        self._dead_here.clear()
 
     def held_by_graph(self, module) -> bool:
         key = id(module)

@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, 
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
-from deepspeed_z3ext import claims, comms
+from deepspeed_z3ext import claims, comms, schedule
 from deepspeed_z3ext.epoch import TREE, watch_module_registrations
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
@@ -89,6 +89,12 @@ class Z3extState:
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
             self._adopt(p, names.get(id(p), f"<ds_id {p.ds_id}>"))
+        # The engine's ranks: the largest group its parameters are partitioned over ([Note: one schedule on
+        # every rank] in schedule.py).
+        groups = [group_of(p) for p in self.params] or [tdist.group.WORLD]
+        self.agreement = schedule.RankAgreement(max(groups, key=tdist.get_world_size))
+        self.schedule_check = (None if config.schedule_check == "off" else schedule.ScheduleCheck(
+            self.engine, self.agreement, every_forward=config.schedule_check == "forward"))
         watch_module_registrations()  # [Note: tree epoch]
         _LIVE.add(self)
 

@@ -1,0 +1,57 @@
+// ScheduleLog: what this rank's gather engine sent to its collectives, as a fingerprint ranks compare.
+// [Note: schedule fingerprint] Every rank must issue the same collectives in the same order (DESIGN.md);
+// NCCL does not check, and a mismatch is a hang or silent garbage. Each all-gather mixes its parameters'
+// ds_ids, element counts, dtype and group (world or hpZ node) into a running 64-bit hash and a count; the
+// first `kMaxEntries` collectives since the last check are kept one by one (their own hash and first
+// ds_id) so that a mismatch can be named. Python compares the fingerprint across ranks (schedule.py)
+// and resets the log. A few integer operations per parameter gathered: nothing beside the collective.
+#pragma once
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace z3ext {
+
+class ScheduleLog {
+ public:
+  static constexpr size_t kMaxEntries = 4096;
+
+  // One collective over `ids` (ds_id, numel pairs); `dtype` and `secondary` tell it apart further.
+  template <typename It>
+  void note(It first, It last, int64_t dtype, bool secondary) {
+    uint64_t h = mix(0x9e3779b97f4a7c15ULL, static_cast<uint64_t>(dtype) * 2 + (secondary ? 1 : 0));
+    int64_t first_id = -1;
+    for (It it = first; it != last; ++it) {
+      if (first_id < 0) first_id = it->first;
+      h = mix(h, static_cast<uint64_t>(it->first));
+      h = mix(h, static_cast<uint64_t>(it->second));
+    }
+    hash_ = mix(hash_, h);
+    ++count_;
+    if (entries_.size() < kMaxEntries) entries_.emplace_back(static_cast<int64_t>(h), first_id);
+  }
+
+  int64_t count() const { return count_; }
+  int64_t hash() const { return static_cast<int64_t>(hash_); }
+  const std::vector<std::pair<int64_t, int64_t>>& entries() const { return entries_; }
+
+  void reset() {
+    hash_ = 0;
+    count_ = 0;
+    entries_.clear();
+  }
+
+ private:
+  static uint64_t mix(uint64_t h, uint64_t v) {  // splitmix64 of the pair: order-sensitive
+    uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+  uint64_t hash_ = 0;
+  int64_t count_ = 0;
+  std::vector<std::pair<int64_t, int64_t>> entries_;  // (the collective's hash, its first ds_id)
+};
+
+}  // namespace z3ext

@@ -1,0 +1,121 @@
+"""Ranks in step: the tiny collectives by which an engine's ranks agree (a graph's death) and check (their
+gather schedules).
+
+[Note: one schedule on every rank] Every rank must issue the same collectives in the same order, and the
+schedule may depend only on the calls the program makes (DESIGN.md). Whether a unit is gathered depends on
+whether it is still claimed; claims end at events every rank sees alike (a module's forward returning, a
+backward pass through a graph's outputs, the optimizer step), with one exception: a graph whose outputs
+died without a backward. When a rank drops its last reference to a loss, and when its garbage collector
+breaks a cycle, is its own business (a logger on rank 0 keeps the loss; rank 1 drops it). So a graph's
+death is only *noticed* locally ([Note: graph claims]); it is *decided* by a vote at the start of an
+outermost forward: an all-reduce (MIN) of one flag per live graph, in token order. A graph dies on every
+rank when it is dead on every rank; until then a rank that dropped it holds its parameters a little
+longer (late, never early). The vote runs only while a sealed graph is live (the set of live graphs is
+itself rank-symmetric: graphs open and seal in forwards, end in backwards, the step and votes): ordinary
+training (forward, backward, step) and no_grad forwards never pay for it.
+
+[Note: schedule check] NCCL does not notice two ranks gathering different things: a hang, or garbage
+where sizes happen to match. The gather engine keeps a fingerprint of its collectives ([Note: schedule
+fingerprint] in csrc/schedule.h); the ranks compare it with one tiny all-gather at every optimizer step
+(`schedule_check: "step"`, the default), or at every outermost forward too (`"forward"`, for debugging),
+and reset it. On a mismatch every rank raises `ScheduleMismatchError` naming the first collective where
+they differ and the module each rank gathered there.
+"""
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_z3ext.errors import Z3extError
+
+
+class ScheduleMismatchError(Z3extError, RuntimeError):
+    """The ranks of one engine issued different collectives."""
+
+
+class Fingerprint(NamedTuple):
+    count: int   # collectives since the last check
+    digest: int  # their running hash
+    logged: int  # of them, kept one by one
+
+
+def _device(group):
+    """Where the group's collectives take tensors: the host for gloo, else the accelerator."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+class RankAgreement:
+    """The engine's ranks: the largest group its parameters are partitioned over (the data-parallel one)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = _device(group)
+
+    def all_true(self, flags: List[bool]) -> List[bool]:
+        """Each flag ANDed over the ranks ([Note: one schedule on every rank])."""
+        if self.world == 1:
+            return list(flags)
+        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(v) for v in t.tolist()]
+
+    def all_gather(self, values: List[int]) -> List[List[int]]:
+        """`values` (the same length on every rank) of every rank, in rank order."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world * len(values), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out.view(self.world, len(values)).tolist()
+
+
+class ScheduleCheck:
+    """Compares the gather engine's fingerprint across the ranks ([Note: schedule check])."""
+
+    def __init__(self, engine, agreement: RankAgreement, every_forward: bool):
+        self._engine = engine     # the C++ GatherEngine
+        self._agree = agreement
+        self.every_forward = every_forward
+        self.checks = 0
+
+    def check(self, where: str) -> None:
+        count, digest, entries = self._engine.schedule()
+        if self._agree.world > 1:
+            mine = Fingerprint(count, digest, len(entries))
+            rows = [Fingerprint(*r) for r in self._agree.all_gather(list(mine))]
+            if any(r[:2] != rows[0][:2] for r in rows):
+                self._raise(where, rows, entries)
+        self._engine.reset_schedule()
+        self.checks += 1
+
+    def _raise(self, where, rows, entries):
+        longest = max(r.logged for r in rows)
+        pad = [(0, -1)] * (longest - len(entries))
+        flat = [v for e in list(entries) + pad for v in e]
+        per_rank = [list(zip(r[0::2], r[1::2])) for r in self._agree.all_gather(flat)] if longest else [[]] * len(rows)
+        first = next((i for i in range(longest) if len({tuple(p[i]) for p in per_rank}) > 1), None)
+        names = {h.ds_id: h.name for h in self._engine.handles}
+        counts = ", ".join(f"rank {r}: {row.count}" for r, row in enumerate(rows))
+        self._engine.reset_schedule()  # every rank raises from the same state
+        if first is None:
+            detail = (f"the first {longest} agree; they differ later" if longest else "")
+        else:
+            what = "; ".join(f"rank {r}: {_module(names, p[first][1])}" for r, p in enumerate(per_rank))
+            detail = f"they first differ at collective {first}: {what}"
+        raise ScheduleMismatchError(
+            f"z3ext: the ranks issued different all-gathers since the last check ({where}; collectives: {counts}); "
+            f"{detail}. Every rank must make the same calls: something that differs between ranks decided "
+            f"a gather ([Note: one schedule on every rank] in deepspeed_z3ext/schedule.py)")
+
+
+
+def _module(names, ds_id) -> str:
+    if ds_id < 0:
+        return "nothing"
+    name = names.get(ds_id, f"<ds_id {ds_id}>")
+    module = name.rpartition(".")[0]
+    return f"module '{module or '<root>'}' (parameter '{name}', ds_id {ds_id})"
+
