@@ -1,0 +1,53 @@
+"""[Note: schedule check] (schedule.py) on 2 real gloo ranks: ranks that gather different parameters of the same
+size (gloo pairs them up and nothing else notices) raise `ScheduleMismatchError` on every rank, naming the module
+each rank gathered, at the optimizer step (the default) or at the next outermost forward ("forward"); "off"
+checks nothing. Ranks that make the same calls pass every check."""
+import pytest
+
+from tests.harness import run_on_ranks
+
+
+def _diverge(mode):
+    import deepspeed
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import batch, build_engine, ds_config
+
+    rank = dist.get_rank()
+    z3 = {"enabled": True, "schedule_check": mode}
+    engine = build_engine(ds_config(z3ext=z3, persistence=0, ga=1))
+    checks = engine.optimizer.parameter_offload.z3ext.schedule_check
+    engine.backward(engine(batch(0, rank)))
+    engine.step()  # the same calls on both ranks: the check passes
+    passed = checks.checks if checks is not None else 0
+    # Two parameters of one shape: each rank gathers another one.
+    block = engine.module.blocks[rank]
+    with deepspeed.zero.GatheredParameters([block.fc1.weight]):
+        pass
+    error, where = None, None
+    try:
+        where = "forward"
+        loss = engine(batch(1, rank))
+        where = "backward"
+        engine.backward(loss)
+        where = "step"
+        engine.step()
+        where = None
+    except deepspeed_z3ext.ScheduleMismatchError as e:
+        error = str(e)
+    return dict(passed=passed, error=error, where=where)
+
+
+@pytest.mark.parametrize("mode,where", [("step", "step"), ("forward", "forward")])
+def test_different_gathers_raise_on_every_rank(mode, where):
+    results = run_on_ranks(_diverge, mode=mode, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["passed"] >= 1, f"rank {rank}: the first step was not checked: {r}"
+        assert r["where"] == where and r["error"], f"rank {rank}: no mismatch raised at the {where}: {r}"
+        assert "module 'blocks.0.fc1'" in r["error"] and "module 'blocks.1.fc1'" in r["error"], r["error"]
+        assert "rank 0: module 'blocks.0.fc1'" in r["error"], r["error"]
+
+
+def test_off_checks_nothing():
+    for r in run_on_ranks(_diverge, mode="off", timeout=180):
+        assert r["error"] is None and r["where"] is None and r["passed"] == 0, r
