@@ -104,8 +104,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("live_numel", [](const GatherEngine& e) { return e.stats().live_numel; })
       .def("schedule", [](GatherEngine& e) {  // [Note: schedule fingerprint] in schedule.h
         const ScheduleLog& s = e.schedule();
-        return py::make_tuple(s.count(), s.hash(), s.entries());
+        return py::make_tuple(s.count(), s.hash(), s.faults(), s.entries());
       })
+      .def("note_fault", [](GatherEngine& e) { e.schedule().note_fault(); })
       .def("reset_schedule", [](GatherEngine& e) { e.schedule().reset(); })
       .def("stats", [](const GatherEngine& e) {
         const auto& s = e.stats();

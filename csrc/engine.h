@@ -309,6 +309,7 @@ class GatherEngine {
     try {
       gather_resident(need, defer, secondary_ok);
     } catch (...) {
+      schedule_.note_fault();  // [Note: schedule fingerprint] in schedule.h
       for (const auto& [h, c] : added) h->claims.remove(c);
       for (auto* h : need) {
         if (h->stale) {

@@ -5,6 +5,9 @@
 // first `kMaxEntries` collectives since the last check are kept one by one (their own hash and first
 // ds_id) so that a mismatch can be named. Python compares the fingerprint across ranks (schedule.py)
 // and resets the log. A few integer operations per parameter gathered: nothing beside the collective.
+// It also counts the ops that raised on this rank and were rolled back (a gather out of memory, a
+// backward pass that raised): a fault on one rank only leaves that rank a collective behind, and the
+// count tells the ranks apart even where their schedules realign ([Note: one-rank faults] in schedule.py).
 #pragma once
 #include <cstdint>
 #include <utility>
@@ -31,13 +34,17 @@ class ScheduleLog {
     if (entries_.size() < kMaxEntries) entries_.emplace_back(static_cast<int64_t>(h), first_id);
   }
 
+  void note_fault() { ++faults_; }
+
   int64_t count() const { return count_; }
+  int64_t faults() const { return faults_; }
   int64_t hash() const { return static_cast<int64_t>(hash_); }
   const std::vector<std::pair<int64_t, int64_t>>& entries() const { return entries_; }
 
   void reset() {
     hash_ = 0;
     count_ = 0;
+    faults_ = 0;
     entries_.clear();
   }
 
@@ -51,6 +58,7 @@ class ScheduleLog {
 
   uint64_t hash_ = 0;
   int64_t count_ = 0;
+  int64_t faults_ = 0;
   std::vector<std::pair<int64_t, int64_t>> entries_;  // (the collective's hash, its first ds_id)
 };
 

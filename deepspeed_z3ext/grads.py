@@ -185,6 +185,7 @@ class GradReducer:
         self._n_direct = 0
         self._n_divided = 0
         self._n_writes = 0
+        self._faults = state.engine  # its schedule log counts this rank's faults
         self._divide_after = state.config.divide_after_reduce  # [Note: divide after the reduce] in csrc/reduce.h
         self._n_abandoned = 0
         self._pass_open = False  # a backward pass noted gradients and has not completed ([Note: failed pass])
@@ -350,6 +351,7 @@ class GradReducer:
             p.grad = None
         self.bucket.clear()
         self._n_abandoned += 1
+        self._faults.note_fault()  # [Note: one-rank faults] in schedule.py
         if self._pass_accumulated:
             logger.warning(f"z3ext: a backward pass raised at gradient-accumulation micro-step {micro_step} after "
                            f"adding {self._pass_accumulated} gradient partitions of its micro-batch into this window; "

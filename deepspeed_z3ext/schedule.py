@@ -14,6 +14,16 @@ longer (late, never early). The vote runs only while a sealed graph is live (the
 itself rank-symmetric: graphs open and seal in forwards, end in backwards, the step and votes): ordinary
 training (forward, backward, step) and no_grad forwards never pay for it.
 
+[Note: one-rank faults] An out of memory in a gather (or an error in backward) on one rank only leaves the
+engine usable on that rank ([Note: gather rollback] in csrc/engine.h) but the other ranks inside a collective
+it never issued. If the error ends that rank's process, the others' collective fails when its connection
+closes (gloo: "Connection closed by peer"), or at the collective timeout (NCCL's watchdog): every rank ends
+in an error. If the rank catches the error and goes on (a retry loop), its next collectives pair with the
+others' pending ones: a size mismatch raises (gloo), a hang ends at the timeout (NCCL), and where the
+schedules realign (a whole micro-batch skipped) the ranks train a batch apart: the schedule check counts
+each rank's rolled-back ops and raises on every rank at the next step. When every rank raises in the same
+op (the same allocation failing everywhere), the counts agree and training goes on.
+
 [Note: schedule check] NCCL does not notice two ranks gathering different things: a hang, or garbage
 where sizes happen to match. The gather engine keeps a fingerprint of its collectives ([Note: schedule
 fingerprint] in csrc/schedule.h); the ranks compare it with one tiny all-gather at every optimizer step
@@ -36,7 +46,8 @@ class ScheduleMismatchError(Z3extError, RuntimeError):
 class Fingerprint(NamedTuple):
     count: int   # collectives since the last check
     digest: int  # their running hash
-    logged: int  # of them, kept one by one
+    faults: int  # z3ext ops that raised on this rank since, rolled back ([Note: one-rank faults])
+    logged: int  # of the collectives, those kept one by one
 
 
 def _device(group):
@@ -82,11 +93,11 @@ class ScheduleCheck:
         self.checks = 0
 
     def check(self, where: str) -> None:
-        count, digest, entries = self._engine.schedule()
+        count, digest, faults, entries = self._engine.schedule()
         if self._agree.world > 1:
-            mine = Fingerprint(count, digest, len(entries))
+            mine = Fingerprint(count, digest, faults, len(entries))
             rows = [Fingerprint(*r) for r in self._agree.all_gather(list(mine))]
-            if any(r[:2] != rows[0][:2] for r in rows):
+            if any(r[:3] != rows[0][:3] for r in rows):
                 self._raise(where, rows, entries)
         self._engine.reset_schedule()
         self.checks += 1
@@ -99,6 +110,13 @@ class ScheduleCheck:
         first = next((i for i in range(longest) if len({tuple(p[i]) for p in per_rank}) > 1), None)
         names = {h.ds_id: h.name for h in self._engine.handles}
         counts = ", ".join(f"rank {r}: {row.count}" for r, row in enumerate(rows))
+        if len({row.faults for row in rows}) > 1:
+            raise ScheduleMismatchError(
+                "z3ext: the ranks are out of step: an op raised on some ranks only since the last check ("
+                + ", ".join(f"rank {r}: {row.faults}" for r, row in enumerate(rows)) + f" errors; {where}): a "
+                "rank that caught its error and went on is a collective behind the others ([Note: one-rank "
+                "faults] in deepspeed_z3ext/schedule.py). Let the error end the run on every rank, or raise "
+                "it on all of them")
         self._engine.reset_schedule()  # every rank raises from the same state
         if first is None:
             detail = (f"the first {longest} agree; they differ later" if longest else "")

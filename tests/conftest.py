@@ -29,7 +29,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if available is None:
             import torch
+            from tests.harness import ranks_on_one_gpu
             available = torch.cuda.device_count()
+            if available and ranks_on_one_gpu():  # [Note: ranks on one GPU] in tests/harness.py
+                available = max(available, ranks_on_one_gpu())
         if available < n:
             item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}, {available} visible "
                                              f"(run on the device: pytest -m gpu)"))

@@ -1,5 +1,12 @@
 """Runs a function on N real ranks (spawned processes, gloo on CPU or NCCL on GPUs).
 
+[Note: ranks on one GPU] NCCL refuses two ranks on one GPU, but gloo moves CUDA tensors between processes on
+it. With `Z3EXT_RANKS_ON_ONE_GPU=N` (bench/device_run.sh ranks-on-one-gpu), a test that asks for NCCL ranks
+runs them (two become N; another count stays) every one on cuda:0, through gloo (`GLOO_SOCKET_IFNAME=lo`:
+without it the processes crashed there): values, streams and kernels are real; NCCL's own reductions and
+streams are not. `on_gpu()` tells a rank function where its tensors go, `rank_device(rank)` which device a
+rank computes on.
+
 A rank that raises fails the test with its traceback; a rank that hangs is killed at the timeout,
 so a collective mismatch shows up as a named failure, never as a hung CI job.
 
@@ -15,7 +22,21 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout):
+def ranks_on_one_gpu() -> int:
+    """N of `Z3EXT_RANKS_ON_ONE_GPU` ([Note: ranks on one GPU]), 0 when unset."""
+    return int(os.environ.get("Z3EXT_RANKS_ON_ONE_GPU", "0") or 0)
+
+
+def on_gpu() -> bool:
+    """Inside a rank: whether this run's tensors live on a GPU (NCCL, or gloo ranks sharing one GPU)."""
+    return os.environ.get("Z3EXT_TEST_ON_GPU") == "1"
+
+
+def rank_device(rank) -> str:
+    return "cuda:0" if ranks_on_one_gpu() else f"cuda:{rank}"
+
+
+def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout=None):
     import faulthandler
     faulthandler.enable()  # a crash prints its Python stack
     faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=False)  # a hang prints its stacks
@@ -24,15 +45,24 @@ def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout):
         os.environ.pop(k, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
-    if backend == "gloo":
+    shared = backend == "nccl" and ranks_on_one_gpu() > 0
+    if shared:  # [Note: ranks on one GPU]
+        backend = "gloo"
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    elif backend == "gloo":
         os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ["Z3EXT_TEST_ON_GPU"] = "1" if backend == "nccl" or shared else "0"
     try:
         import torch
-        if backend == "nccl":
+        if shared:
+            torch.cuda.set_device(0)
+        elif backend == "nccl":
             torch.cuda.set_device(rank)
         import deepspeed
+        import datetime
+        extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"file://{store_file}",
-                                   rank=rank, world_size=world_size)
+                                   rank=rank, world_size=world_size, **extra)
         result = fn(**kwargs)
         queue.put((rank, True, result))
     except BaseException:
@@ -48,13 +78,18 @@ def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout):
             pass
 
 
-def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, **kwargs):
+def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, pg_timeout=None, **kwargs):
+    """`fn(**kwargs)` on every rank; its results in rank order. `pg_timeout`: the process group's collective
+    timeout in seconds (default: torch's)."""
+    if backend == "nccl" and world_size == 2 and ranks_on_one_gpu():
+        world_size = ranks_on_one_gpu()  # [Note: ranks on one GPU]: "two GPUs" means N ranks there
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="z3ext-rdzv-")
     store_file = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store_file, backend, fn, kwargs, queue, timeout), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

@@ -3,7 +3,9 @@ after their forward (the hold off, or past a small live budget) are gathered ahe
 several per collective, within stage3_prefetch_bucket_size; training stays bitwise equal to stock;
 a unit gathered ahead for a module whose backward never runs (a branch without gradient) is dropped at
 the pass's end; nothing stays gathered after backward; `hold_max_numel` bounds what a forward holds."""
-from tests.harness import run_on_ranks
+import pytest
+
+from tests.harness import on_gpu, run_on_ranks
 
 LAYERS, WIDTH = 8, 32
 UNIT = WIDTH * WIDTH + WIDTH          # one nn.Linear's elements
@@ -39,7 +41,8 @@ def prefetch_next_to_stock(steps=3):
     stack = _stack()
 
     def inputs(i):
-        return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * i + rank)).requires_grad_()
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(100 * i + rank))
+        return (x.cuda() if on_gpu() else x).requires_grad_()
 
     stock = build_engine(ds_config(persistence=0, mel=False, ga=1), model_fn=stack)
     ref_losses = train(stock, steps, inputs)
@@ -86,8 +89,18 @@ def prefetch_next_to_stock(steps=3):
 
 
 def test_backward_prefetch_gathers_ahead_within_the_window_bitwise_equal_to_stock():
+    _check_prefetch(run_on_ranks(prefetch_next_to_stock, timeout=600))
+
+
+@pytest.mark.gpus(2)
+def test_backward_prefetch_on_gpu_bitwise_equal_to_stock():
+    """The CUDA path: gathers ahead on the side stream, the compute stream waiting on their events."""
+    _check_prefetch(run_on_ranks(prefetch_next_to_stock, backend="nccl", timeout=600))
+
+
+def _check_prefetch(results):
     padded_unit_bytes = 4 * (WIDTH * WIDTH + WIDTH)  # fp32; both shapes split evenly over 2 ranks
-    for rank, res in enumerate(run_on_ranks(prefetch_next_to_stock, timeout=600)):
+    for rank, res in enumerate(results):
         for case, r in res.items():
             assert r["losses_equal"], f"rank {rank} {case}: losses differ:\n{r['losses']}\n{r['ref_losses']}"
             assert not r["mismatched"], f"rank {rank} {case}: parameters differ: {r['mismatched']}"

@@ -144,6 +144,64 @@ def test_out_of_memory_leaves_an_engine_that_trains_as_a_fresh_one(cases):
             assert r["abandoned"] == r["expected_abandoned"], f"{where}: {r['abandoned']} passes abandoned"
 
 
+def one_rank_fault(retry):
+    """The gather's out of memory on rank 1 only, in the second micro-batch. `retry`: rank 1 catches it and
+    goes on with the next batch (a retry loop); else it lets the error end its training. Returns each
+    rank's end: the error that ended it (None: trained to the end) and the seconds it took."""
+    import time
+    import torch
+    import torch.distributed as dist
+    from tests.faults import allocator
+    from tests.models import build_engine, ds_config
+    fa = allocator()
+    fa.install()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    eng = build_engine(ds_config(z3ext={"enabled": True}, persistence=0, mel=False, ga=1), model_fn=_net())
+    gathered = eng.module.odd.weight.ds_tensor.ds_numel * world * 4
+    t0, ooms, error = time.monotonic(), [], None
+    try:
+        for i in range(6):
+            x = torch.randn(B, 16, generator=torch.Generator().manual_seed(100 * i + rank))
+            if i == 1 and rank == 1:
+                fa.arm(gathered, 0)
+            try:
+                eng.backward(eng(x))
+                eng.step()
+            except torch.OutOfMemoryError:
+                ooms.append(i)
+                if not retry:
+                    raise
+            finally:
+                fa.disarm()
+    except BaseException as e:
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
+    st = eng.optimizer.parameter_offload.z3ext.engine.stats()
+    return dict(error=error, ooms=ooms, seconds=time.monotonic() - t0, collectives=st["collectives"],
+                steps=eng.global_steps)
+
+
+PG_TIMEOUT = 30
+
+
+@pytest.mark.parametrize("retry", [False, True], ids=["raise", "retry"])
+def test_a_fault_on_one_rank_ends_in_an_error_on_every_rank(retry):
+    """[Note: one-rank faults]: an out of memory in a gather on one rank leaves the others waiting in a
+    collective that rank never issues. Every rank must end in an error within the collective timeout: the
+    faulting rank at once (its error), the others when its process group breaks (it stopped) or when the
+    schedules part (a gloo size mismatch, the schedule check at the step, or the timeout)."""
+    from tests.faults import allocator
+    allocator()
+    results = run_on_ranks(one_rank_fault, timeout=4 * PG_TIMEOUT + 120, pg_timeout=PG_TIMEOUT, retry=retry)
+    for rank, r in enumerate(results):
+        print(f"rank {rank} ({'retry' if retry else 'raise'}): {r}")
+    assert results[1]["ooms"] == [1] and results[0]["ooms"] == [], results
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"rank {rank} trained on after rank 1's fault: {r}"
+        assert r["seconds"] < 2 * PG_TIMEOUT + 30, f"rank {rank} ended after {r['seconds']:.0f} s: {r}"
+    if not retry:
+        assert results[1]["error"].startswith("OutOfMemoryError"), results[1]
+
+
 @pytest.mark.gpus(1)
 def test_out_of_memory_on_cuda():
     """The CUDA caching allocator itself out of memory (tests/scripts/cuda_oom.py)."""

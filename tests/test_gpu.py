@@ -2,7 +2,7 @@
 fp32 must be bitwise equal to stock ZeRO-3; bf16 equal within bf16 tolerance. Skipped on CPU."""
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import rank_device, run_on_ranks
 
 pytestmark = pytest.mark.gpus(2)
 
@@ -51,7 +51,7 @@ def compare_on_gpu(dtype, persistence, steps=3, ga=2):
 def test_gpu_equivalence(dtype, persistence):
     results = run_on_ranks(compare_on_gpu, backend="nccl", dtype=dtype, persistence=persistence)
     for rank, r in enumerate(results):
-        assert r["device"] == f"cuda:{rank}"
+        assert r["device"] == rank_device(rank)
         assert r["collectives"] > 0
         assert not r["diff"], f"rank {rank}: parameters differ: {r['diff']}"
         if dtype == "fp32":

@@ -6,7 +6,7 @@ configurations that keep DeepSpeed's path. The model's ops save the parameter it
 an LSTM, a module applied twice: tests/test_backward_integrity.py's Net)."""
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import on_gpu, run_on_ranks
 from tests.test_backward_integrity import SEQ, VOCAB, _model
 
 # name -> (DeepSpeed config additions, zero_optimization additions, z3ext options, gradient accumulation)
@@ -45,10 +45,9 @@ def _config(z3ext, extra, zero_extra, options, ga):
 
 def _tokens(i, rank):
     import torch
-    import torch.distributed as dist
     g = torch.Generator().manual_seed(1000 * i + rank)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-    return tokens.cuda() if dist.get_backend() == "nccl" else tokens
+    return tokens.cuda() if on_gpu() else tokens
 
 
 def same(a, b):

@@ -7,7 +7,7 @@ halving the primaries does not, in stock as in z3ext); and the secondary partiti
 stock's: the rank's chunk of the full value, zero past ds_numel."""
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import on_gpu, run_on_ranks
 
 WORLD, HPZ = 4, 2
 
@@ -69,6 +69,10 @@ def compare_hpz_with_stock(variants, steps=3, frozen="", base_extra=None):
     from tests.training import train
     rank = dist.get_rank()
 
+    def batch_at(i):
+        b = batch(i, rank)
+        return b.cuda() if on_gpu() else b
+
     def run(config):
         engine = _build(config, frozen=frozen)
         checks = []
@@ -77,7 +81,7 @@ def compare_hpz_with_stock(variants, steps=3, frozen="", base_extra=None):
         def after_step(engine, step):
             engine.eval()
             with torch.no_grad():  # a no_grad forward: its releases make secondaries again
-                engine(batch(10_000 + step, rank))
+                engine(batch_at(10_000 + step))
             engine.train()
             checks.append(_secondary_errors(engine))
             if config.get("z3ext"):
@@ -91,7 +95,7 @@ def compare_hpz_with_stock(variants, steps=3, frozen="", base_extra=None):
                         p.data.mul_(0.75)
             checks.append(_secondary_errors(engine))
 
-        losses = train(engine, steps, lambda i: batch(i, rank), ga=config["gradient_accumulation_steps"],
+        losses = train(engine, steps, batch_at, ga=config["gradient_accumulation_steps"],
                        after_step=after_step)
         return engine, losses, full_params(engine), (checks, secondary_bytes)
 
@@ -102,7 +106,7 @@ def compare_hpz_with_stock(variants, steps=3, frozen="", base_extra=None):
         expected_bytes = sum(4 * -(-p.ds_numel // WORLD) * (WORLD // HPZ) for p in engine.module.parameters()
                              if not p.ds_persist)  # a persistent parameter is never released
         persistent_bytes = sum(4 * -(-p.ds_numel // WORLD) * WORLD for p in engine.module.parameters() if p.ds_persist)
-        r = dict(losses=losses, params={n: p.numpy() for n, p in params.items()}, checks=checks,
+        r = dict(losses=losses, params={n: p.cpu().numpy() for n, p in params.items()}, checks=checks,
                  offload_param=str(getattr(engine.zero_offload_param(), "device", None)),
                  secondary_bytes=secondary_bytes, expected_bytes=expected_bytes, persistent_bytes=persistent_bytes)
         if z3ext:
@@ -267,3 +271,20 @@ def test_hpz_with_parameters_offloaded_to_cpu():
                 assert made > 0 and not wrong, (rank, name, made, wrong)
             assert 0 < z3["secondary_collectives"] < z3["collectives"], z3
             assert z3["offload_param"] == r["stock"]["offload_param"] == "cpu", (z3["offload_param"], r["stock"]["offload_param"])
+
+
+@pytest.mark.gpus(WORLD)
+def test_hpz_on_gpu_bitwise_equal_to_stock():
+    """The CUDA path (gather stream, secondary copies on the device) of hold, no hold and a partial hold with
+    mel, on 4 GPUs or 4 ranks on one GPU ([Note: ranks on one GPU] in tests/harness.py)."""
+    variants = {k: VARIANTS[k] for k in ("hold", "nohold", "partial-mel")}
+    results = run_on_ranks(compare_hpz_with_stock, world_size=WORLD, backend="nccl", timeout=600, variants=variants)
+    import numpy as np
+    for rank, out in enumerate(results):
+        stock = out["stock"]
+        for name in variants:
+            r = out[name]
+            assert r["losses"] == stock["losses"], f"rank {rank}, {name}: losses {r['losses']} vs {stock['losses']}"
+            diff = [n for n in stock["params"] if not np.array_equal(stock["params"][n], r["params"][n])]
+            assert not diff, f"rank {rank}, {name}: parameters differ: {diff}"
+            assert r["secondary_collectives"] > 0, f"rank {rank}, {name}: no gather read the secondary partition"

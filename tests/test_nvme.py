@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tests import harness
 from tests.harness import run_on_ranks
 
 HIDDEN = 512  # qkv and fc1/fc2 partitions are >= 1 MiB per rank: DeepSpeed's swappable minimum
@@ -34,7 +35,7 @@ def _train(engine, steps, first_step=0):
     from tests.models import batch
     from tests.training import train
     rank = dist.get_rank()
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = harness.on_gpu()
 
     def inputs(i):
         x = batch(i, rank, vocab=64)
@@ -113,7 +114,7 @@ def nvme_vs_stock(nvme_path, ckpt_path, steps, resume_steps, variant):
     import torch
     import torch.distributed as dist
     ctx = contextlib.nullcontext()
-    if dist.get_backend() == "nccl":  # deterministic attention backward on GPU
+    if harness.on_gpu():  # deterministic attention backward on GPU
         from torch.nn.attention import SDPBackend, sdpa_kernel
         ctx = sdpa_kernel(SDPBackend.MATH)
     with ctx:

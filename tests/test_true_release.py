@@ -13,7 +13,7 @@ before the backward that reads them.
 """
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import on_gpu, run_on_ranks
 
 
 def _ops_net():
@@ -118,7 +118,8 @@ def ops_next_to_stock(steps=3):
 
     def inputs(i):
         g = torch.Generator().manual_seed(100 * i + rank)
-        return torch.randint(0, 32, (2, 8), generator=g)
+        x = torch.randint(0, 32, (2, 8), generator=g)
+        return x.cuda() if on_gpu() else x
 
     out = {}
     for mel in (True, False):
@@ -157,7 +158,16 @@ def ops_next_to_stock(steps=3):
 
 
 def test_every_op_bitwise_equal_to_stock_with_the_hold_on_off_and_partial():
-    results = run_on_ranks(ops_next_to_stock, timeout=600)
+    _check_ops(run_on_ranks(ops_next_to_stock, timeout=600))
+
+
+@pytest.mark.gpus(2)
+def test_every_op_on_gpu_bitwise_equal_to_stock():
+    """The CUDA path: storages resized to 0 bytes and re-filled on the gather stream (fp32, deterministic ops)."""
+    _check_ops(run_on_ranks(ops_next_to_stock, backend="nccl", timeout=600))
+
+
+def _check_ops(results):
     for rank, res in enumerate(results):
         for case, r in res.items():
             assert r["losses_equal"], f"rank {rank} {case}: losses differ:\n{r['losses']}\n{r['ref_losses']}"
