@@ -30,6 +30,9 @@
 #                                    # .before: `git archive REV deepspeed_z3ext csrc op_builder | tar -x -C .before`
 #   bash bench/device_run.sh simworld-ab  # 0.47B and 0.94B GPT at simulated world 8, unsharded and z3ext: main against
 #                                    # .before, alternated processes (SIMAB_SHAPES, SIMAB_RUNS, SIMAB_WORLD)
+#   bash bench/device_run.sh ranks-on-one-gpu  # pytest -m gpu with every "two GPUs" test as N ranks on the one GPU
+#                                    # through gloo, N in ONE_GPU_RANKS (default "2 4"), the N runs side by side
+#                                    # ([Note: ranks on one GPU] in tests/harness.py); ONE_GPU_TESTS: pytest arguments
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -51,6 +54,21 @@ python3 -c "from deepspeed_z3ext._ops import ops; print('ops built, cuda:', ops(
 if [[ $what == tests || $what == all ]]; then
   python3 -c "from deepspeed.ops.op_builder import DeepCompileBuilder; DeepCompileBuilder().load()" >/dev/null 2>&1
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$LOG/gpu-tests.log" | tail -8
+fi
+if [[ $what == ranks-on-one-gpu ]]; then
+  python3 -c "from deepspeed.ops.op_builder import DeepCompileBuilder; DeepCompileBuilder().load()" >/dev/null 2>&1
+  python3 -c "from tests.faults import allocator; allocator()" >/dev/null 2>&1  # built once, not by every run
+  pids=()
+  for n in ${ONE_GPU_RANKS:-2 4}; do
+    # One-GPU tests (world 1, "-1]", and the CUDA allocator's out of memory) run in the first run only.
+    k="not 1] and not out_of_memory_on_cuda"; ((${#pids[@]} == 0)) && k="${ONE_GPU_K:-}"
+    Z3EXT_RANKS_ON_ONE_GPU=$n GLOO_SOCKET_IFNAME=lo timeout -k 5 "${ONE_GPU_LIMIT:-560}" \
+      python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${k:+-k "$k"} ${ONE_GPU_TESTS:-tests} \
+      >"$LOG/ranks-on-one-gpu-$n.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for n in ${ONE_GPU_RANKS:-2 4}; do echo "== $n ranks on one GPU"; tail -n 30 "$LOG/ranks-on-one-gpu-$n.log"; done
 fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20

@@ -587,6 +587,8 @@ def run(a):
             if getattr(st, "secondary_collectives", 0) or getattr(st, "secondary_bytes", 0):  # hpZ
                 med["hpz_node_collectives"] = st.secondary_collectives
                 med["hpz_secondary_MiB"] = st.secondary_bytes / 2**20
+            if getattr(st, "schedule_checks", 0):  # [Note: schedule check]: host time per step
+                med["schedule_check_ms_per_step"] = st.schedule_check_seconds * 1e3 / steps_run[n]
             grads = deepspeed_z3ext.grad_stats(systems[n].model)
             if grads is not None:  # z3ext's gradient path: host ms per step in its flushes
                 med["grad_flushes_per_step"] = grads.flushes / steps_run[n]
@@ -680,6 +682,9 @@ def table(res, machine):
             if "hpz_node_collectives" in m:
                 lines.append(f"  {n}: hpZ {m['hpz_node_collectives']} of {m['z3ext_collectives']} all-gathers over the "
                              f"node group, secondary partitions {m['hpz_secondary_MiB']:.1f} MiB now")
+            if "schedule_check_ms_per_step" in m:
+                lines.append(f"  {n}: schedule check {m['schedule_check_ms_per_step']:.3f} host ms per step "
+                             f"({100 * m['schedule_check_ms_per_step'] / m['step']:.2f} % of its step)")
             if "grad_host_ms_per_step" in m:
                 lines.append(f"  {n}: gradient path {m['grad_flushes_per_step']:.1f} flushes, "
                              f"{m['grad_host_ms_per_step']:.2f} host ms per step")

@@ -28,9 +28,13 @@ op (the same allocation failing everywhere), the counts agree and training goes 
 where sizes happen to match. The gather engine keeps a fingerprint of its collectives ([Note: schedule
 fingerprint] in csrc/schedule.h); the ranks compare it with one tiny all-gather at every optimizer step
 (`schedule_check: "step"`, the default), or at every outermost forward too (`"forward"`, for debugging),
-and reset it. On a mismatch every rank raises `ScheduleMismatchError` naming the first collective where
-they differ and the module each rank gathered there.
+and reset it. The all-gather is read at the next check, not waited for: on an accelerator its result is
+copied to pinned host memory behind the step's work and an event marks it, so the host never waits for
+the device (a wait at the step's start would stall the launch of the step). On a mismatch every rank
+raises `ScheduleMismatchError` at that next check, naming the first collective where they differ and the
+module each rank gathered there (a second, rare all-gather of the logged collectives).
 """
+import time
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -66,21 +70,57 @@ class RankAgreement:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = _device(group)
+        self.votes = 0
 
     def all_true(self, flags: List[bool]) -> List[bool]:
         """Each flag ANDed over the ranks ([Note: one schedule on every rank])."""
         if self.world == 1:
             return list(flags)
+        self.votes += 1
         t = torch.tensor(flags, dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.tolist()]
 
     def all_gather(self, values: List[int]) -> List[List[int]]:
         """`values` (the same length on every rank) of every rank, in rank order."""
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        out = torch.empty(self.world * len(values), dtype=torch.int64, device=self.device)
+        return self.start_all_gather(values).result()
+
+    def start_all_gather(self, values: List[int]) -> "Gathered":
+        """The all-gather of `values` started: on an accelerator, issued and copied to pinned host memory
+        behind the work already queued, so that neither this call nor a later `result()` waits for that
+        work (the host would stall the step it is launching)."""
+        n = len(values)
+        src = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cpu":
+            out = torch.empty(self.world * n, dtype=torch.int64)
+            dist.all_gather_into_tensor(out, src, group=self.group)
+            return Gathered(out.view(self.world, n), None)
+        from deepspeed.accelerator import get_accelerator
+        acc = get_accelerator()
+        t = acc.pin_memory(src).to(self.device, non_blocking=True)
+        out = torch.empty(self.world * n, dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(out, t, group=self.group)
-        return out.view(self.world, len(values)).tolist()
+        host = acc.pin_memory(torch.empty(self.world * n, dtype=torch.int64))
+        host.copy_(out, non_blocking=True)
+        ready = acc.Event()
+        ready.record()
+        return Gathered(host.view(self.world, n), ready)
+
+
+class Gathered(NamedTuple):
+    rows: torch.Tensor  # (world, n) on the host, complete once `ready` is
+    ready: object       # an accelerator event, or None (already complete)
+
+    def result(self) -> List[List[int]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.rows.tolist()
+
+
+class _Pending(NamedTuple):
+    where: str
+    entries: list        # this rank's logged collectives of the compared span
+    gathered: Gathered   # every rank's Fingerprint
 
 
 class ScheduleCheck:
@@ -91,15 +131,30 @@ class ScheduleCheck:
         self._agree = agreement
         self.every_forward = every_forward
         self.checks = 0
+        self.seconds = 0.0  # host time in check()
+        self._pending: Optional[_Pending] = None
 
     def check(self, where: str) -> None:
+        """Compares the span the previous check started, and starts this one's comparison: on an
+        accelerator the fingerprints travel while the step runs, and a mismatch raises at the next check."""
+        t0 = time.perf_counter()
+        try:
+            self._check(where)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self, where):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            rows = [Fingerprint(*r) for r in pending.gathered.result()]
+            if any(r[:3] != rows[0][:3] for r in rows):
+                self._engine.reset_schedule()  # every rank raises from the same state
+                self._raise(pending.where, rows, pending.entries)
         count, digest, faults, entries = self._engine.schedule()
+        self._engine.reset_schedule()
         if self._agree.world > 1:
             mine = Fingerprint(count, digest, faults, len(entries))
-            rows = [Fingerprint(*r) for r in self._agree.all_gather(list(mine))]
-            if any(r[:3] != rows[0][:3] for r in rows):
-                self._raise(where, rows, entries)
-        self._engine.reset_schedule()
+            self._pending = _Pending(where, entries, self._agree.start_all_gather(list(mine)))
         self.checks += 1
 
     def _raise(self, where, rows, entries):
@@ -110,6 +165,7 @@ class ScheduleCheck:
         first = next((i for i in range(longest) if len({tuple(p[i]) for p in per_rank}) > 1), None)
         names = {h.ds_id: h.name for h in self._engine.handles}
         counts = ", ".join(f"rank {r}: {row.count}" for r, row in enumerate(rows))
+        where = f"up to the check {where}"
         if len({row.faults for row in rows}) > 1:
             raise ScheduleMismatchError(
                 "z3ext: the ranks are out of step: an op raised on some ranks only since the last check ("
@@ -117,7 +173,6 @@ class ScheduleCheck:
                 "rank that caught its error and went on is a collective behind the others ([Note: one-rank "
                 "faults] in deepspeed_z3ext/schedule.py). Let the error end the run on every rank, or raise "
                 "it on all of them")
-        self._engine.reset_schedule()  # every rank raises from the same state
         if first is None:
             detail = (f"the first {longest} agree; they differ later" if longest else "")
         else:

@@ -25,6 +25,10 @@ class Z3extStats(NamedTuple):
     # partitions the parameters hold now, and the all-gathers (of `collectives`) that read them.
     secondary_bytes: int = 0
     secondary_collectives: int = 0
+    # [Note: schedule check] in schedule.py: comparisons of the ranks' all-gathers, and the host time they took
+    schedule_checks: int = 0
+    schedule_check_seconds: float = 0.0
+    graph_votes: int = 0            # votes on graph deaths ([Note: one schedule on every rank])
 
 
 def state_of(engine):
@@ -44,6 +48,7 @@ def stats(engine) -> Z3extStats:
     from deepspeed_z3ext._ops import ops
     gathered_state = ops().ParamState.GATHERED
     residency = state.engine.residency  # None without NVMe offload
+    check = state.schedule_check
     gathered, claims = [], {}
     for h in state.engine.handles:
         if h.state == gathered_state:
@@ -61,7 +66,9 @@ def stats(engine) -> Z3extStats:
                                           (getattr(p, "ds_secondary_tensor", None) for p in state.params) if t is not None),
                       secondary_collectives=s["secondary_collectives"],
                       nvme_reads=getattr(residency, "reads", 0),
-                      nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0))
+                      nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0),
+                      schedule_checks=check.checks if check else 0, schedule_check_seconds=check.seconds if check else 0.0,
+                      graph_votes=state.agreement.votes)
 
 
 def grad_stats(engine):

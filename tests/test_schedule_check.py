@@ -1,7 +1,8 @@
 """[Note: schedule check] (schedule.py) on 2 real gloo ranks: ranks that gather different parameters of the same
 size (gloo pairs them up and nothing else notices) raise `ScheduleMismatchError` on every rank, naming the module
-each rank gathered, at the optimizer step (the default) or at the next outermost forward ("forward"); "off"
-checks nothing. Ranks that make the same calls pass every check."""
+each rank gathered, at the check after the one that compared the span: the second optimizer step (the default),
+or, checking at every outermost forward too ("forward"), the first step; "off" checks nothing. Ranks that make
+the same calls pass every check."""
 import pytest
 
 from tests.harness import run_on_ranks
@@ -26,24 +27,25 @@ def _diverge(mode):
         pass
     error, where = None, None
     try:
-        where = "forward"
-        loss = engine(batch(1, rank))
-        where = "backward"
-        engine.backward(loss)
-        where = "step"
-        engine.step()
+        for i in range(1, 4):
+            where = (i, "forward")
+            loss = engine(batch(i, rank))
+            where = (i, "backward")
+            engine.backward(loss)
+            where = (i, "step")
+            engine.step()
         where = None
     except deepspeed_z3ext.ScheduleMismatchError as e:
         error = str(e)
     return dict(passed=passed, error=error, where=where)
 
 
-@pytest.mark.parametrize("mode,where", [("step", "step"), ("forward", "forward")])
+@pytest.mark.parametrize("mode,where", [("step", [2, "step"]), ("forward", [1, "step"])])
 def test_different_gathers_raise_on_every_rank(mode, where):
     results = run_on_ranks(_diverge, mode=mode, timeout=180)
     for rank, r in enumerate(results):
         assert r["passed"] >= 1, f"rank {rank}: the first step was not checked: {r}"
-        assert r["where"] == where and r["error"], f"rank {rank}: no mismatch raised at the {where}: {r}"
+        assert list(r["where"] or []) == where and r["error"], f"rank {rank}: no mismatch raised at the {where}: {r}"
         assert "module 'blocks.0.fc1'" in r["error"] and "module 'blocks.1.fc1'" in r["error"], r["error"]
         assert "rank 0: module 'blocks.0.fc1'" in r["error"], r["error"]
 
