@@ -38,9 +38,11 @@ inline void all_gather_coalesced_into(c10d::ProcessGroup& group, std::vector<at:
 // torch's gloo `allgather_into_tensor_coalesced` on CUDA tensors crashes the process (torch 2.11 on an
 // H200, two ranks on cuda:0), while its `_allgather_base` works. A group whose CUDA backend is gloo
 // gathers CUDA tensors one collective per tensor: the same bytes in the same order on every rank.
+// The group's backend string: "gloo", or per device ("cpu:gloo,cuda:nccl"); torch 2.11 has no per-device query.
 inline bool coalesces(c10d::ProcessGroup& group, const at::Device& device) {
-  if (!device.is_cuda() || !group.hasBackendForDeviceType(c10::DeviceType::CUDA)) return true;
-  return group.getBackend(c10::DeviceType::CUDA)->getBackendName() != "gloo";
+  if (!device.is_cuda()) return true;
+  const std::string name = group.getBackendName();
+  return name != "gloo" && name.find("cuda:gloo") == std::string::npos;
 }
 
 }  // namespace z3ext

@@ -362,9 +362,10 @@ class Z3extCoordinator:
             self.state.check_leaks("at the optimizer step")
 
     def release_backward_leftovers(self):
-        """DeepSpeed's end-of-backward epilogue: nothing. Backward claims end with their graph or pass
-        ([Note: graph claims]), which may outlive this backward; freed graphs are dropped at the next
-        outermost forward, when the ranks agree ([Note: one schedule on every rank] in schedule.py)."""
+        """DeepSpeed's end-of-backward epilogue (every rank's backward ends here). Backward claims end with
+        their graph or pass ([Note: graph claims]), which may outlive this backward; graphs freed on every
+        rank are dropped, by a vote while any is sealed ([Note: one schedule on every rank] in schedule.py)."""
+        self.backward_claims.collect()
 
 
 def _clean_module_stack():

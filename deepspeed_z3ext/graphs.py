@@ -13,7 +13,7 @@ autograd graph that saved those parameters, and ends only when that graph cannot
   claims are dropped when that backward pass completes (an autograd engine callback). A backward
   that reached only some outputs leaves the graph claimed.
 - A graph whose output nodes were all freed without such a backward (the loss abandoned) is
-  dropped at the next outermost forward once it is dead on every rank, or at the optimizer step: the
+  dropped at the next outermost forward or backward end once it is dead on every rank, or at the step: the
   pre-hooks share a sentinel whose finaliser queues the token (no engine call from a finaliser: it may
   run anywhere), and the ranks vote on the queued deaths ([Note: one schedule on every rank] in
   schedule.py). When a rank drops an output is its own business; what is gathered next is not.

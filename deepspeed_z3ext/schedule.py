@@ -8,7 +8,8 @@ backward pass through a graph's outputs, the optimizer step), with one exception
 died without a backward. When a rank drops its last reference to a loss, and when its garbage collector
 breaks a cycle, is its own business (a logger on rank 0 keeps the loss; rank 1 drops it). So a graph's
 death is only *noticed* locally ([Note: graph claims]); it is *decided* by a vote at the start of an
-outermost forward: an all-reduce (MIN) of one flag per live graph, in token order. A graph dies on every
+outermost forward and at the end of an engine's backward: an all-reduce (MIN) of one flag per live
+graph, in token order. A graph dies on every
 rank when it is dead on every rank; until then a rank that dropped it holds its parameters a little
 longer (late, never early). The vote runs only while a sealed graph is live (the set of live graphs is
 itself rank-symmetric: graphs open and seal in forwards, end in backwards, the step and votes): ordinary
@@ -91,14 +92,16 @@ class RankAgreement:
         work (the host would stall the step it is launching)."""
         n = len(values)
         src = torch.tensor(values, dtype=torch.int64)
+        # The output starts as this rank's values in every row: a collective that does nothing (a simulated
+        # world, bench/simworld) then reads as agreement, not as garbage.
         if self.device.type == "cpu":
-            out = torch.empty(self.world * n, dtype=torch.int64)
+            out = src.repeat(self.world)
             dist.all_gather_into_tensor(out, src, group=self.group)
             return Gathered(out.view(self.world, n), None)
         from deepspeed.accelerator import get_accelerator
         acc = get_accelerator()
         t = acc.pin_memory(src).to(self.device, non_blocking=True)
-        out = torch.empty(self.world * n, dtype=torch.int64, device=self.device)
+        out = t.repeat(self.world)
         dist.all_gather_into_tensor(out, t, group=self.group)
         host = acc.pin_memory(torch.empty(self.world * n, dtype=torch.int64))
         host.copy_(out, non_blocking=True)

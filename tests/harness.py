@@ -46,9 +46,9 @@ def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout, p
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     shared = backend == "nccl" and ranks_on_one_gpu() > 0
-    if shared:  # [Note: ranks on one GPU]
+    if shared:  # [Note: ranks on one GPU]: DeepSpeed picks the device (and torch the group's) from LOCAL_RANK
         backend = "gloo"
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        os.environ.update(GLOO_SOCKET_IFNAME="lo", LOCAL_RANK="0")
     elif backend == "gloo":
         os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ["Z3EXT_TEST_ON_GPU"] = "1" if backend == "nccl" or shared else "0"
