@@ -10,6 +10,18 @@ and a schedule of optimizer steps with events between them: freeze parameters, u
 evaluation forward, a grad-enabled forward whose graph is dropped, and a backward that raises part-way
 and is retried.
 
+Events with per-rank lifetimes (DESIGN "Invariants": what a rank keeps alive, or when its collector runs,
+never changes the collectives it issues) are drawn from a second stream (`lifetimes_rng(seed)`), so the
+events above, the model and the config are what they were for every seed: `kept0`, a grad-enabled forward
+whose output only rank 0 keeps (the other ranks drop it at once) for `arg` micro-steps; `evalkept0`, the
+same forward in eval mode (`engine.eval()`, without `no_grad`); `cycle1`, a grad-enabled forward whose
+output is put in a reference cycle on every rank, collected at once (`gc.collect()`) on the ranks other
+than 0, and on rank 0 only after `arg` micro-steps. A drop or collection "after k micro-steps" comes right
+after the k-th following micro-step's `engine.step()` (mid-accumulation when ga > 1); one past the last
+micro-step comes after the final parameters are read. The collector is disabled while a program runs, so
+collections happen where the program says. Stock runs the same program (nothing changes in its numbers);
+the forwards' values are compared too.
+
 `run(program)` trains it on the current process group and returns its losses and final parameters.
 A backward that raises is z3ext's alone: stock ZeRO-3 cannot retry one (its bucket would hold the
 parameters twice and trip its duplicate assertion), so the raising pass's loss is scaled by 0 (its
@@ -22,18 +34,27 @@ prints one line per program and, at the end, the seeds that differed and those s
 fixed budget of seeds in CI, and every seed that ever failed is a named regression case there.
 """
 import argparse
+import gc
 import random
 import time
 from typing import NamedTuple, Optional, Tuple
 
 VOCAB, SEQ, HIDDEN, BATCH = 24, 6, 8, 2
 LAYER_KINDS = ("linear", "addmm", "bmm", "conv", "lora", "repeat")
+LIFETIME_KINDS = ("kept0", "evalkept0", "cycle1")  # per-rank lifetimes: see the module docstring
+
+
+def lifetimes_rng(seed):
+    """The stream the per-rank lifetime events are drawn from: apart from `draw(seed)`'s own, so adding
+    them left every seed's other draws as they were (a str seed is hashed deterministically)."""
+    return random.Random(f"lifetimes {seed}")
 
 
 class Event(NamedTuple):
     before_step: int   # runs before this optimizer step's first micro-step
-    kind: str          # freeze | unfreeze | eval | dropped | fail
-    arg: int           # a parameter index (freeze/unfreeze) or a layer index (fail); else 0
+    kind: str          # freeze | unfreeze | eval | dropped | fail | kept0 | evalkept0 | cycle1
+    arg: int           # a parameter index (freeze/unfreeze), a layer index (fail), micro-steps until rank 0
+                       # drops (kept0, evalkept0) or collects (cycle1) the output; else 0
 
 
 class Program(NamedTuple):
@@ -81,6 +102,12 @@ def draw(seed) -> Program:
             events.append(Event(s, "dropped", 0))
         if r.random() < 0.2:
             events.append(Event(s, "fail", r.randrange(n)))
+    lifetimes = lifetimes_rng(seed)
+    for s in range(steps):
+        for kind, p in zip(LIFETIME_KINDS, (0.04, 0.04, 0.04)):
+            if lifetimes.random() < p:
+                events.append(Event(s, kind, lifetimes.randrange(1, 2 * steps + 2)))
+    events.sort(key=lambda e: e.before_step)  # stable: within a step, the old kinds run first
     return Program(
         seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
@@ -224,14 +251,27 @@ class Unfired(Exception):
 def run(program, z3ext):
     """Trains `program` on stock (z3ext False) or z3ext; returns losses, final parameters by name, and
     which events ran."""
-    import torch
     import torch.distributed as dist
+    rank = dist.get_rank()
+    cfg = config(program, z3ext)
+    # Collections happen where the program says (cycle1), never when the collector decides.
+    collector_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _run(program, z3ext, rank, cfg)
+    finally:
+        gc.collect()  # rank 0's cycles not collected yet (the run ended first)
+        if collector_was_enabled:
+            gc.enable()
+
+
+def _run(program, z3ext, rank, cfg):
+    import torch
     import deepspeed
     import deepspeed_z3ext  # noqa: F401
     from tests.models import full_params
 
-    rank = dist.get_rank()
-    cfg = config(program, z3ext)
     torch.manual_seed(program.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = _model(program)()
@@ -241,6 +281,7 @@ def run(program, z3ext):
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     frozen = []
     losses, i, failed = [], 0, 0
+    pending = []  # [micro-steps left, what rank 0 keeps (an output) or COLLECT], see _lifetime_event
     try:
         for step in range(program.steps):
             fail_layer = None
@@ -262,6 +303,8 @@ def run(program, z3ext):
                     engine(_tokens(2 * 10**6 + i, rank))  # its graph is freed at once
                 elif event.kind == "fail":
                     fail_layer = event.arg % len(engine.module.layers)
+                elif event.kind in LIFETIME_KINDS:
+                    pending.extend(_lifetime_event(engine, event, i, rank, losses))
             for micro in range(program.ga):
                 if fail_layer is not None and micro == 0 and z3ext:
                     layer = engine.module.layers[fail_layer]
@@ -284,10 +327,46 @@ def run(program, z3ext):
                 engine.step()
                 losses.append(loss.item())
                 i += 1
+                for entry in pending:
+                    entry[0] -= 1
+                if any(left <= 0 for left, _ in pending):
+                    due = [what for left, what in pending if left <= 0]
+                    pending = [entry for entry in pending if entry[0] > 0]
+                    if any(what is COLLECT for what in due):
+                        gc.collect()
+                    del due  # rank 0 drops the outputs it kept
         params = full_params(engine)
     finally:
+        pending.clear()
         engine.destroy()
     return dict(losses=losses, params=params, failed=failed)
+
+
+COLLECT = "collect"  # a pending entry of rank 0's: gc.collect() when it is due
+
+
+def _lifetime_event(engine, event, i, rank, losses):
+    """A grad-enabled forward (in eval mode for evalkept0) whose output's lifetime differs across ranks; its
+    value goes to `losses` as (kind, value). Returns rank 0's pending entries: the output it keeps, or when
+    it collects the cycle (the other ranks keep nothing: they drop or collect it at once)."""
+    seed = {"kept0": 3, "evalkept0": 4, "cycle1": 5}[event.kind] * 10**6 + i
+    if event.kind == "evalkept0":
+        engine.eval()
+    try:
+        out = engine(_tokens(seed, rank))
+    finally:
+        if event.kind == "evalkept0":
+            engine.train()
+    losses.append((event.kind, out.item()))
+    if event.kind == "cycle1":
+        holder = {"out": out}
+        holder["self"] = holder  # only the collector frees it
+        del holder, out
+        if rank != 0:
+            gc.collect()
+            return []
+        return [[event.arg, COLLECT]]
+    return [[event.arg, out]] if rank == 0 else []
 
 
 def check_gradient_runs(optimizer):
