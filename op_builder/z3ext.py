@@ -6,10 +6,12 @@
 CPU-only flavour otherwise. Nothing here creates a CUDA context.
 """
 import fcntl
+import functools
 import hashlib
 import importlib
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -40,9 +42,25 @@ def environment_key():
     executable, the source folder and the torch version: each environment and checkout keeps its own
     build, nothing is shared between them. The sources' contents are left out on purpose: an edit
     rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
+    It also carries the version of the `ninja` on PATH (the one torch runs): ninja 1.13 writes its
+    build log (`.ninja_log`) as v7, 1.11 as v5, and each discards the other's and rebuilds everything,
+    so a PATH that switches between a venv's ninja and the system's would rebuild at each switch.
     """
-    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
+    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__,
+             _ninja_version(os.environ.get("PATH", "")))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=None)
+def _ninja_version(path):
+    """`ninja --version` of the ninja found on `path` (as torch runs it); "" where there is none."""
+    exe = shutil.which("ninja", path=path)
+    if exe is None:
+        return ""
+    try:
+        return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def torch_lock_outlives_its_holder(cpp_extension=None):

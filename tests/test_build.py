@@ -149,3 +149,23 @@ def test_two_environments_never_rebuild_each_others_ops(tmp_path):
     for _ in range(2):  # switch back and forth twice
         again = [load(p) for p in venvs]
         assert [a[1:] for a in again] == [f[1:] for f in first], "a switch rebuilt the ops"
+
+
+def test_each_ninja_version_keeps_its_own_build_folder(tmp_path):
+    """ninja 1.11 and 1.13 discard each other's build log ([Note: build cache key]): a PATH whose ninja
+    has another version names another build folder; the same version (another copy) the same one."""
+    def key_with_ninja(version, where):
+        d = tmp_path / where
+        d.mkdir(exist_ok=True)
+        (d / "ninja").write_text(f"#!/bin/sh\necho {version}\n")
+        (d / "ninja").chmod(0o755)
+        r = _python(f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from op_builder.z3ext import environment_key
+            print(environment_key())""", env={"PATH": os.pathsep.join([str(d), os.environ.get("PATH", "")])})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()[-1]
+
+    assert key_with_ninja("1.11.1", "a") != key_with_ninja("1.13.2", "b")
+    assert key_with_ninja("1.13.2", "c") == key_with_ninja("1.13.2", "b")
