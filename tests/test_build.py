@@ -121,24 +121,37 @@ def test_missing_ninja_says_what_to_install(tmp_path):
 
 def test_two_environments_never_rebuild_each_others_ops(tmp_path):
     """Two venvs (two sys.prefix) over one torch, one TORCH_EXTENSIONS_DIR: each builds once into its own
-    folder ([Note: build cache key]); switching between them twice rebuilds nothing."""
+    folder ([Note: build cache key]); switching between them twice rebuilds nothing.
+
+    Both see the packages of the interpreter running the tests through a .pth, not through
+    `--system-site-packages`: a venv made from a venv's python is based on the base interpreter, whose
+    site-packages need not hold torch (`/path/venv/bin/python -m pytest` without activating the venv)."""
+    import site
+    import torch
     venvs = []
     for name in ("env_a", "env_b"):
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / name)],
-                       check=True, timeout=120)
-        venvs.append(tmp_path / name / "bin" / "python")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True, timeout=120)
+        python = tmp_path / name / "bin" / "python"
+        child_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                                    check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+        Path(child_site, "_tests_parent_env.pth").write_text(
+            "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+        venvs.append(python)
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
     probe = textwrap.dedent("""
         import sys
         from deepspeed_z3ext._ops import ops
+        import torch
         print("PREFIX", sys.prefix)
+        print("TORCH", torch.__file__)
         print("SO", ops().__file__)""")
 
     def load(python):
         r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
-        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:3] in ("PRE", "SO "))
+        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:3] in ("PRE", "TOR", "SO "))
+        assert Path(lines["TORCH"]).resolve() == Path(torch.__file__).resolve()  # the tests interpreter's torch
         so = Path(lines["SO"])
         return lines["PREFIX"], so, so.stat().st_mtime_ns, (so.parent / ".ninja_log").read_text()
 
