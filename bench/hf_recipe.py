@@ -130,6 +130,17 @@ def ds_config(a, system):
     return cfg
 
 
+def checkpointing_args(**kwargs):
+    """`TrainingArguments` keywords for activation checkpointing: `activation_checkpointing*` where
+    transformers has them (5.25; its `gradient_checkpointing*` aliases warn of removal in v6),
+    `gradient_checkpointing*` before (as `tests/test_hf.py`)."""
+    import dataclasses
+    from transformers import TrainingArguments
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": kwargs}
+
+
 def _pairs(a, n):
     """n (chosen, rejected) pairs: a shared prompt (first half), different responses (second half)."""
     import torch
@@ -201,8 +212,7 @@ def _train(a, rank):
         max_grad_norm=1.0,
         weight_decay=0.0,
         bf16=a.dtype == "bf16",
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": True},
+        **checkpointing_args(use_reentrant=True),
         logging_strategy="no",
         save_strategy="no",
         eval_strategy="no",

@@ -6,10 +6,12 @@
 CPU-only flavour otherwise. Nothing here creates a CUDA context.
 """
 import fcntl
+import functools
 import hashlib
 import importlib
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -40,9 +42,39 @@ def environment_key():
     executable, the source folder and the torch version: each environment and checkout keeps its own
     build, nothing is shared between them. The sources' contents are left out on purpose: an edit
     rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
+    It also carries the version of the `ninja` on PATH (the one torch runs): ninja 1.13 writes its
+    build log (`.ninja_log`) as v7, 1.11 as v5, and each discards the other's and rebuilds everything,
+    so a PATH that switches between a venv's ninja and the system's would rebuild at each switch.
     """
-    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
+    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__,
+             _ninja_version(os.environ.get("PATH", "")))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=None)
+def _ninja_version(path):
+    """`ninja --version` of the ninja found on `path` (as torch runs it); "" where there is none."""
+    exe = shutil.which("ninja", path=path)
+    if exe is None:
+        return ""
+    try:
+        return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def torch_lock_outlives_its_holder(cpp_extension=None):
+    """Whether torch's JIT build lock (`<build dir>/lock`) blocks by its mere existence, so that one
+    left by a killed build blocks every later build ([Note: stale build lock]).
+
+    True for torch up to 2.13: `_jit_compile` takes a `FileBaton` (the file created with O_EXCL, waited
+    on while it exists, removed at release). False from 2.14: it holds a `filelock.FileLock` on the
+    file, an flock the kernel releases when its holder dies; the file stays after every build and a
+    later build simply locks it again.
+    """
+    if cpp_extension is None:
+        from torch.utils import cpp_extension
+    return "FileBaton" in vars(cpp_extension)
 
 
 class Z3extOpBuilder(CUDAOpBuilder):
@@ -114,10 +146,14 @@ class Z3extOpBuilder(CUDAOpBuilder):
             pass
         self.check_toolchain()
         build_dir = self.build_dir()
-        # [Note: stale build lock] torch's JIT build guards its folder with a `lock` file and waits
-        # forever if a killed build left it behind. Every z3ext build first takes an flock on
-        # `z3ext.flock` (released by the kernel when its holder dies), so a torch `lock` that
-        # exists while we hold the flock belongs to a dead build and is removed.
+        # [Note: stale build lock] torch up to 2.13 guards its JIT build folder with a `lock` file
+        # whose existence blocks (FileBaton) and waits forever if a killed build left it behind.
+        # Every z3ext build first takes an flock on `z3ext.flock` (released by the kernel when its
+        # holder dies), so there a torch `lock` that exists while we hold the flock belongs to a dead
+        # build and is removed, with a warning. torch 2.14 holds an flock on that file instead
+        # (filelock) and leaves the file after every build: a leftover blocks nothing, and removing
+        # it could let two builds lock two different files, so it is left alone and nothing is said
+        # (torch_lock_outlives_its_holder; tests/test_build.py checks which kind the installed torch has).
         with open(build_dir / "z3ext.flock", "w") as guard:
             t0 = time.time()
             while True:
@@ -130,7 +166,7 @@ class Z3extOpBuilder(CUDAOpBuilder):
                                            "15 minutes; stop it or remove that folder.")
                     time.sleep(0.5)
             stale = build_dir / "lock"
-            if stale.exists():
+            if torch_lock_outlives_its_holder() and stale.exists():
                 from deepspeed.utils import logger
                 logger.warning(f"z3ext: removing stale build lock {stale} left by a killed build")
                 stale.unlink()

@@ -1,5 +1,6 @@
 """The op builder in fresh processes: cached load time, no CUDA context at import, a stale lock left
-by a killed build, a missing ninja named in the error, and one build folder per environment."""
+by a killed build (both kinds of torch lock), a missing ninja named in the error, and one build folder
+per environment and ninja version."""
 import os
 import subprocess
 import sys
@@ -38,14 +39,77 @@ def test_cached_import_is_fast_and_creates_no_cuda_context():
     assert cuda_ctx == "False"
 
 
-def test_stale_lock_from_a_killed_build_is_removed():
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lock_outlives_its_holder():
+    """Which lock the installed torch's JIT build takes ([Note: stale build lock])."""
+    r = _python(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from op_builder.z3ext import torch_lock_outlives_its_holder
+        print(torch_lock_outlives_its_holder())""")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()[-1] == "True"
+
+
+def _mentions_a_lock(r):
+    out = r.stderr + r.stdout
+    return "stale build lock" in out or "lock file" in out  # z3ext's warning, FileBaton's wait warning
+
+
+def test_torch_lock_kind_follows_the_torch_version():
+    """torch <= 2.13 waits while `lock` exists (FileBaton); torch >= 2.14 flocks it (filelock)."""
+    import types
+    import torch
+    from packaging.version import Version
+    baton = Version(torch.__version__).release < (2, 14)
+    assert _lock_outlives_its_holder() == baton, torch.__version__
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from op_builder.z3ext import torch_lock_outlives_its_holder
+    assert torch_lock_outlives_its_holder(types.SimpleNamespace(FileBaton=object)) is True
+    assert torch_lock_outlives_its_holder(types.SimpleNamespace(FileLock=object)) is False
+
+
+def test_a_lock_left_by_a_killed_build_never_blocks_a_load():
+    """The `lock` a killed build leaves: removed with a warning where torch would wait on it forever,
+    left alone and unmentioned where torch takes a kernel lock on it (which its holder's death freed)."""
     lock = _build_dir() / "lock"
-    lock.write_text("")  # what torch leaves behind when a build is killed
+    lock.write_text("")  # what a killed build leaves behind
     t = time.time()
     r = _python("import deepspeed_z3ext", timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert not lock.exists() and time.time() - t < 120
-    assert "stale build lock" in r.stderr + r.stdout
+    assert time.time() - t < 120
+    if _lock_outlives_its_holder():
+        assert not lock.exists()
+        assert "stale build lock" in r.stderr + r.stdout
+    else:
+        assert not _mentions_a_lock(r)
+
+
+def test_a_clean_load_says_nothing_about_locks():
+    """After a normal build (torch >= 2.14 leaves its unlocked `lock` file behind) a load warns of nothing."""
+    _build_dir()
+    r = _python("import deepspeed_z3ext")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not _mentions_a_lock(r), r.stderr[-2000:]
+
+
+def test_the_clean_up_where_torch_waits_on_the_lock():
+    """The FileBaton branch under any torch: forced on, the builder removes a leftover `lock` (with the
+    warning) before the build, which then succeeds (on torch >= 2.14 its filelock recreates the file)."""
+    lock = _build_dir() / "lock"
+    lock.write_text("")
+    r = _python(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import op_builder.z3ext as z
+        z.torch_lock_outlives_its_holder = lambda cpp_extension=None: True
+        print("LOADED", z.Z3extOpBuilder().load().__name__)""", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "LOADED" in r.stdout
+    assert "removing stale build lock" in r.stderr + r.stdout
 
 
 def test_missing_ninja_says_what_to_install(tmp_path):
@@ -57,24 +121,37 @@ def test_missing_ninja_says_what_to_install(tmp_path):
 
 def test_two_environments_never_rebuild_each_others_ops(tmp_path):
     """Two venvs (two sys.prefix) over one torch, one TORCH_EXTENSIONS_DIR: each builds once into its own
-    folder ([Note: build cache key]); switching between them twice rebuilds nothing."""
+    folder ([Note: build cache key]); switching between them twice rebuilds nothing.
+
+    Both see the packages of the interpreter running the tests through a .pth, not through
+    `--system-site-packages`: a venv made from a venv's python is based on the base interpreter, whose
+    site-packages need not hold torch (`/path/venv/bin/python -m pytest` without activating the venv)."""
+    import site
+    import torch
     venvs = []
     for name in ("env_a", "env_b"):
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp_path / name)],
-                       check=True, timeout=120)
-        venvs.append(tmp_path / name / "bin" / "python")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True, timeout=120)
+        python = tmp_path / name / "bin" / "python"
+        child_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                                    check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+        Path(child_site, "_tests_parent_env.pth").write_text(
+            "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+        venvs.append(python)
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
     probe = textwrap.dedent("""
         import sys
         from deepspeed_z3ext._ops import ops
+        import torch
         print("PREFIX", sys.prefix)
+        print("TORCH", torch.__file__)
         print("SO", ops().__file__)""")
 
     def load(python):
         r = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
-        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:3] in ("PRE", "SO "))
+        lines = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:3] in ("PRE", "TOR", "SO "))
+        assert Path(lines["TORCH"]).resolve() == Path(torch.__file__).resolve()  # the tests interpreter's torch
         so = Path(lines["SO"])
         return lines["PREFIX"], so, so.stat().st_mtime_ns, (so.parent / ".ninja_log").read_text()
 
@@ -85,3 +162,23 @@ def test_two_environments_never_rebuild_each_others_ops(tmp_path):
     for _ in range(2):  # switch back and forth twice
         again = [load(p) for p in venvs]
         assert [a[1:] for a in again] == [f[1:] for f in first], "a switch rebuilt the ops"
+
+
+def test_each_ninja_version_keeps_its_own_build_folder(tmp_path):
+    """ninja 1.11 and 1.13 discard each other's build log ([Note: build cache key]): a PATH whose ninja
+    has another version names another build folder; the same version (another copy) the same one."""
+    def key_with_ninja(version, where):
+        d = tmp_path / where
+        d.mkdir(exist_ok=True)
+        (d / "ninja").write_text(f"#!/bin/sh\necho {version}\n")
+        (d / "ninja").chmod(0o755)
+        r = _python(f"""
+            import sys
+            sys.path.insert(0, {str(ROOT)!r})
+            from op_builder.z3ext import environment_key
+            print(environment_key())""", env={"PATH": os.pathsep.join([str(d), os.environ.get("PATH", "")])})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()[-1]
+
+    assert key_with_ninja("1.11.1", "a") != key_with_ninja("1.13.2", "b")
+    assert key_with_ninja("1.13.2", "c") == key_with_ninja("1.13.2", "b")

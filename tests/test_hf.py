@@ -45,6 +45,18 @@ def _dataset(n, seed=4321):
     return rows
 
 
+def checkpointing_args(**kwargs):
+    """`TrainingArguments` keywords that turn on activation checkpointing with these kwargs, by the
+    name this transformers takes: `activation_checkpointing*` where it has them (5.25), whose
+    `gradient_checkpointing*` aliases warn of their removal in v6 whenever passed (even False);
+    `gradient_checkpointing*` before (5.18 and older). Off: pass none of them."""
+    import dataclasses
+    from transformers import TrainingArguments
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {name: True, f"{name}_kwargs": kwargs}
+
+
 def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1):
     """One HF Trainer run; returns (per-step local losses, {name: full parameter}) on every rank."""
     import torch
@@ -62,7 +74,7 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1)
         per_device_train_batch_size=bsz, gradient_accumulation_steps=ga, max_steps=steps,
         learning_rate=1e-2 if lora else 1e-3, warmup_steps=0, weight_decay=0.01, seed=seed, data_seed=seed,
         bf16=False, fp16=False, remove_unused_columns=False, disable_tqdm=True,
-        gradient_checkpointing=lora, gradient_checkpointing_kwargs={"use_reentrant": True} if lora else None)
+        **(checkpointing_args(use_reentrant=True) if lora else {}))
     assert transformers.integrations.is_deepspeed_zero3_enabled()
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
