@@ -32,6 +32,13 @@ def on_gpu() -> bool:
     return os.environ.get("Z3EXT_TEST_ON_GPU") == "1"
 
 
+def skip_on_one_gpu(reason):
+    """Skips a test that cannot run as ranks on one GPU ([Note: ranks on one GPU]), naming why."""
+    import pytest
+    if ranks_on_one_gpu():
+        pytest.skip(f"not as ranks on one GPU: {reason}")
+
+
 def rank_device(rank) -> str:
     return "cuda:0" if ranks_on_one_gpu() else f"cuda:{rank}"
 
@@ -61,6 +68,12 @@ def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout, p
         import deepspeed
         import datetime
         extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        if shared:
+            # Not bound to a device (DeepSpeed binds one on CUDA): a bound group makes every new_group a split,
+            # which torch 2.11's gloo lacks. deepspeed.init_distributed reuses this group.
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                                    **extra)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"file://{store_file}",
                                    rank=rank, world_size=world_size, **extra)
         result = fn(**kwargs)
