@@ -178,7 +178,9 @@ def unsupported_options(ds_config) -> list:
     if getattr(zc, "zero_quantized_weights", False):
         # Stock quantizes what one coalesced call gathers (a module's parameters and its prefetch), so
         # its numbers follow its prefetch batching, which z3ext's units do not reproduce (bench/NOTES.md v19).
-        found.append("zero_optimization.zero_quantized_weights (ZeRO++ qwZ; hpZ, zero_hpz_partition_size, is supported)")
+        found.append("zero_optimization.zero_quantized_weights (ZeRO++ qwZ: stock quantizes what one of its coalesced "
+                     "gathers holds, so its numbers follow stock's prefetch batching, which z3ext's units do not "
+                     "reproduce; hpZ, zero_hpz_partition_size, is supported)")
     if getattr(zc, "zero_quantized_nontrainable_weights", False):
         found.append("zero_optimization.zero_quantized_nontrainable_weights")
     if getattr(zc, "zenflow", None) is not None:
