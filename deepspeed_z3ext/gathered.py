@@ -6,7 +6,17 @@ parameter that a module or autograd also claims stays gathered after the block; 
 block claimed is released. With `modifier_rank`, that rank's values are broadcast and written back
 into every rank's partition before the claim is dropped. Parameters of no z3ext engine take
 DeepSpeed's own path.
+
+[Note: blocks over several engines] One block may hold parameters of several engines and of stock
+ZeRO-3 (TRL's reference-model sync gathers the policy's and the reference's parameters together, with
+`modifier_rank=0`). The block's parameters are stock's list, sorted by ds_id (unique and increasing across
+engines): they split into parts, one per z3ext engine in the order of its first parameter there, then the
+stock parameters, which stock's own enter and exit handle. Every rank sees the same list, so every rank
+gathers, writes back and releases the parts in the same order. Entering, a part that raises releases the
+parts gathered before it; exiting, every part is written back and released, the first error raised after.
 """
+from typing import List, NamedTuple, Optional
+
 import deepspeed.comm as dist
 
 from deepspeed_z3ext.claims import GATHERED, SHARED_OWNER, ClaimError
@@ -16,27 +26,41 @@ from deepspeed_z3ext.state import of_param
 # All blocks claim as one owner (SHARED_OWNER): overlapping blocks are then a duplicate claim (an error
 # naming the parameter), as stock DeepSpeed forbids them too; disjoint nesting claims different parameters.
 
-def _split(ctx):
-    """(z3ext state, its params) when the block's parameters all belong to one z3ext engine."""
+class _Part(NamedTuple):
+    state: object  # the z3ext state of one engine
+    params: list   # its parameters in the block, in ds_id order
+    unit: object   # their FetchUnit
+
+
+class _Split(NamedTuple):
+    parts: List[_Part]   # z3ext engines' parameters ([Note: blocks over several engines])
+    stock: list          # parameters of no z3ext engine
+
+
+def _split(ctx) -> Optional[_Split]:
+    """The block's parameters by owner; None when no z3ext engine owns any of them (stock's block)."""
     if not ctx.enabled:
-        return None, None
-    states = {id(s): s for s in map(of_param, ctx.params)}
-    if len(states) != 1 or None in states.values():
-        if any(s is not None for s in states.values()):
-            raise RuntimeError("z3ext: a GatheredParameters block mixes parameters of different engines (or of "
-                               "z3ext and stock ZeRO-3); gather them in separate blocks")
-        return None, None
-    return next(iter(states.values())), ctx.params
+        return None
+    by_state, stock = {}, []
+    for p in ctx.params:
+        state = of_param(p)
+        if state is None:
+            stock.append(p)
+        else:
+            by_state.setdefault(id(state), (state, []))[1].append(p)
+    if not by_state:
+        return None
+    return _Split([_Part(s, ps, s.unit_of(ps)) for s, ps in by_state.values()], stock)
 
 
 def enter(stock_enter):
     """`GatheredParameters.__enter__` (seams.py): a Gathered claim for z3ext parameters."""
 
     def __enter__(self):
-        state, params = _split(self)
-        if state is None:
+        split = _split(self)
+        if split is None:
             return stock_enter(self)
-        _enter(self, state, params)
+        _enter(self, split, stock_enter)
 
     return __enter__
 
@@ -45,36 +69,68 @@ def exit(stock_exit):
     """`GatheredParameters.__exit__` (seams.py): write back (modifier_rank) and drop the claim."""
 
     def __exit__(self, *exc):
-        if getattr(self, "_z3ext_state", None) is None:
+        split = getattr(self, "_z3ext_split", None)
+        if split is None:
             return stock_exit(self, *exc)
-        _exit(self)
+        _exit(self, split, stock_exit, exc)
 
     return __exit__
 
 
-def _enter(self, state, params):
-    unit = state.unit_of(params)
-    problem = state.engine.conflict(unit, GATHERED, SHARED_OWNER, to_claim=True)
-    if problem:
-        raise ClaimError(problem + " (nested GatheredParameters blocks overlap on it)")
-    self._z3ext_unit, self._z3ext_state = unit, state
-    state.engine.unshard(unit, GATHERED, SHARED_OWNER)
-
-
-def _exit(self):
-    state = self._z3ext_state
+def _with_params(ctx, params, call):
+    """Runs stock's enter or exit on a subset of the block's parameters."""
+    whole = ctx.params
+    ctx.params = params
     try:
-        if self.src_rank is not None:
-            handles = [
-                dist.broadcast(p.data, self.src_rank_by_group[id(p.ds_process_group)], group=p.ds_process_group,
-                               async_op=True) for p in self.params
-            ]
-            for h in handles:
-                h.wait()
-            state.engine.write_back(self._z3ext_unit)
+        return call()
     finally:
-        self._z3ext_state = None
-        problem = state.engine.conflict(self._z3ext_unit, GATHERED, SHARED_OWNER, to_claim=False)
+        ctx.params = whole
+
+
+def _enter(self, split, stock_enter):
+    for part in split.parts:
+        problem = part.state.engine.conflict(part.unit, GATHERED, SHARED_OWNER, to_claim=True)
         if problem:
-            raise ClaimError(problem)
-        state.engine.reshard(self._z3ext_unit, GATHERED, SHARED_OWNER)
+            raise ClaimError(problem + " (nested GatheredParameters blocks overlap on it)")
+    done = []
+    try:
+        for part in split.parts:
+            part.state.engine.unshard(part.unit, GATHERED, SHARED_OWNER)
+            done.append(part)
+        if split.stock:
+            _with_params(self, split.stock, lambda: stock_enter(self))
+    except BaseException:
+        for part in done:
+            part.state.engine.reshard(part.unit, GATHERED, SHARED_OWNER)
+        raise
+    self._z3ext_split = split
+
+
+def _exit(self, split, stock_exit, exc):
+    self._z3ext_split = None
+    error = None
+    for part in split.parts:
+        try:
+            if self.src_rank is not None:
+                handles = [
+                    dist.broadcast(p.data, self.src_rank_by_group[id(p.ds_process_group)], group=p.ds_process_group,
+                                   async_op=True) for p in part.params
+                ]
+                for h in handles:
+                    h.wait()
+                part.state.engine.write_back(part.unit)
+        except BaseException as e:
+            error = error or e
+        finally:
+            problem = part.state.engine.conflict(part.unit, GATHERED, SHARED_OWNER, to_claim=False)
+            if problem:
+                error = error or ClaimError(problem)
+            else:
+                part.state.engine.reshard(part.unit, GATHERED, SHARED_OWNER)
+    if split.stock:
+        try:
+            _with_params(self, split.stock, lambda: stock_exit(self, *exc))
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
