@@ -33,6 +33,7 @@
 #   bash bench/device_run.sh ranks-on-one-gpu  # pytest -m gpu with every "two GPUs" test as N ranks on the one GPU
 #                                    # through gloo, N in ONE_GPU_RANKS (default "2 4"), the N runs side by side
 #                                    # ([Note: ranks on one GPU] in tests/harness.py); ONE_GPU_TESTS: pytest arguments
+#                                    # (ONE_GPU_TESTS_<N>: for the N-rank run only)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -62,8 +63,9 @@ if [[ $what == ranks-on-one-gpu ]]; then
   for n in ${ONE_GPU_RANKS:-2 4}; do
     # One-GPU tests (world 1, "-1]", and the CUDA allocator's out of memory) run in the first run only.
     k="not 1] and not out_of_memory_on_cuda"; ((${#pids[@]} == 0)) && k="${ONE_GPU_K:-}"
+    tests_n=ONE_GPU_TESTS_$n
     Z3EXT_RANKS_ON_ONE_GPU=$n GLOO_SOCKET_IFNAME=lo timeout -k 5 "${ONE_GPU_LIMIT:-560}" \
-      python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${k:+-k "$k"} ${ONE_GPU_TESTS:-tests} \
+      python3 -m pytest -q -rs -m gpu -p no:cacheprovider ${k:+-k "$k"} ${!tests_n:-${ONE_GPU_TESTS:-tests}} \
       >"$LOG/ranks-on-one-gpu-$n.log" 2>&1 &
     pids+=($!)
   done
