@@ -42,7 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("GATHERED", ClaimKind::Gathered)
       .value("FALLBACK", ClaimKind::Fallback)
       .value("PERSIST", ClaimKind::Persist)
-      .value("DIRECT", ClaimKind::Direct);
+      .value("DIRECT", ClaimKind::Direct)
+      .value("RESIDENT", ClaimKind::Resident);
   m.attr("SHARED_OWNER") = kSharedOwner;
   m.attr("TOKEN_BASE") = kTokenBase;
 

@@ -17,6 +17,7 @@ enum class ClaimKind : uint8_t {
   Fallback = 3,  // an eager frame that Dynamo skipped (DeepCompile)
   Persist = 4,   // a persistent (small) parameter, held between steps
   Direct = 5,    // a direct `param.all_gather()` call, dropped by `param.partition()`
+  Resident = 6,  // kept by a no_grad forward for the next one ([Note: generation residency] in resident_set.py)
 };
 
 inline const char* claim_kind_name(ClaimKind k) {
@@ -27,6 +28,7 @@ inline const char* claim_kind_name(ClaimKind k) {
     case ClaimKind::Fallback: return "fallback";
     case ClaimKind::Persist: return "persist";
     case ClaimKind::Direct: return "direct";
+    case ClaimKind::Resident: return "resident";
   }
   return "?";
 }
@@ -36,7 +38,7 @@ inline const char* claim_kind_name(ClaimKind k) {
 // - Forward: the ds_id of the module whose forward runs (prefetched units: the module they are for);
 // - Backward: a token >= kTokenBase, one per autograd graph or per module call (graphs.py);
 // - Fallback: the id of a DeepCompile forward graph (fallback.py), its own kind, so ids never collide;
-// - Gathered, Direct, Persist: kSharedOwner. All GatheredParameters blocks share it, so overlapping
+// - Gathered, Direct, Persist, Resident: kSharedOwner. All GatheredParameters blocks share it, so overlapping
 //   blocks are a duplicate claim (an error, as stock forbids them); a direct all_gather() is ended by
 //   the next partition() or module release, whoever gathered it; persistence is one claim.
 constexpr int64_t kSharedOwner = 0;

@@ -16,13 +16,14 @@ from deepspeed_z3ext.groups import MemberClaims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
+from deepspeed_z3ext.resident_set import ResidentSet
 from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
 
 class Z3extCoordinator:
 
     def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None,
-                 group_max_numel=None, group_claim_max_numel=None):
+                 group_max_numel=None, group_claim_max_numel=None, resident_numel=None):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -51,6 +52,11 @@ class Z3extCoordinator:
         self._forwards = 0
         self._last_warning = None
         self._fwd, self._bwd = claims.FORWARD, claims.BACKWARD
+        # [Note: generation residency] in resident_set.py: by default what the live budget leaves beside the window
+        if resident_numel is None:
+            resident_numel = max(0, max_live_numel - max(prefetch_bucket_numel, 0))
+        self.resident = ResidentSet(state.engine, resident_numel)
+        self._noting = False  # this outermost forward is a no_grad one whose units may stay resident
         self.backward_claims = BackwardClaims(state.engine, state.agreement)
         self._in_step = False  # inside the optimizer's step (optimizer_step)
         # [Note: fetch groups] in groups.py: formed when the first plan is adopted
@@ -92,6 +98,9 @@ class Z3extCoordinator:
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
+            grad = torch.is_grad_enabled()
+            self.resident.start_forward(grad)  # [Note: generation residency] in resident_set.py
+            self._noting = not grad and self.resident.enabled
             check = self.state.schedule_check
             if check is not None and check.every_forward:
                 check.check("at an outermost forward")  # [Note: schedule check] in schedule.py
@@ -187,6 +196,8 @@ class Z3extCoordinator:
             state.engine.unshard(state.unit_for(sub_module), self._bwd, sub_module.ds_id)
             return
         self.running.append(sub_module)
+        if self._noting:
+            self.resident.seen(sub_module)
         if self._covered and id(sub_module) in self._covered:
             return  # its group's owner fetched it ([Note: fetch groups])
         plan = self.plan
@@ -213,7 +224,8 @@ class Z3extCoordinator:
         window, engine = self.window, self.state.engine
         if not window.reach(pos):
             return
-        batch = window.next_batch(self.plan.order, self._unit_ahead, self._max_live - engine.live_numel)
+        batch = window.next_batch(self.plan.order, self._unit_ahead, self._max_live - engine.live_numel,
+                                  skip_gathered=self.resident.numel > 0)
         if batch is None:
             return
         window.commit(batch)
@@ -254,6 +266,8 @@ class Z3extCoordinator:
         if len(unit):
             if not grad_enabled or raised or not any(t.requires_grad for t in outputs):
                 # No output needs grad (or no grad, or it raised): its backward cannot run.
+                if self._noting and not grad_enabled and not raised:
+                    self.resident.keep(id(sub_module), unit)  # [Note: generation residency]
                 state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
             elif group is not None and group.member_claims is not MemberClaims.NONE:  # each member has its own
                 state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
@@ -263,6 +277,9 @@ class Z3extCoordinator:
                 self._hold(sub_module, unit, args, outputs)
         if not self.running and phase is Phase.FORWARD:
             self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
+            if self._noting:
+                self._noting = False
+                self.resident.end_forward()
 
     def _hold(self, module, unit, args, outputs):
         self._hold_or_claim(module, unit, args, outputs)
@@ -353,6 +370,7 @@ class Z3extCoordinator:
         blocks is released (the step rewrites partitions: a full parameter kept across it would be
         stale); in the step, persistent parameters stay gathered and are re-gathered in place by their
         next claim."""
+        self.resident.forget()  # the sweep drops Resident claims too
         if self._in_step:
             self.state.engine.sweep_step(claims.STEP_KINDS)  # [Note: persistent refresh] in csrc/engine.h
         else:
@@ -360,6 +378,10 @@ class Z3extCoordinator:
         self.backward_claims.forget_all()
         if self.state.config.leak_check:
             self.state.check_leaks("at the optimizer step")
+
+    def release_resident(self):
+        """Generation is over ([Note: generation residency] in resident_set.py): resident units are released."""
+        self.resident.release()
 
     def release_backward_leftovers(self):
         """DeepSpeed's end-of-backward epilogue (every rank's backward ends here). Backward claims end with

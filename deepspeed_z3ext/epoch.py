@@ -8,8 +8,11 @@ per-module host work in every forward: seven key tuples per block fetch of a GPT
 forward prologue and epilogue walking every module (on the CPU VM, 1.1M and 2.0M of the 36M
 instructions of a 16-layer GPT's tiny forward, bench/NOTES.md v21). A cache entry instead records the
 epoch it was made or checked at, and is used as is while the epoch has not moved. It moves when
-- a module is registered on any module: attribute assignment, `add_module`, `ModuleList.append`
-  (torch's global module-registration hook, installed with the first z3ext engine);
+- a module is registered on a module of a z3ext tree (one with a `ds_id`): attribute assignment,
+  `add_module`, `ModuleList.append` (torch's global module-registration hook, installed with the first
+  z3ext engine). Registrations on other modules do not move it: a module outside the tree reaches it only
+  by a registration on a tree module, which moves it then. HF Llama's forward slices its layers
+  (`self.layers[:n]`, a new ModuleList registering every layer): that moved the epoch in every forward;
 - a ZeROOrderedDict (a ZeRO module's `_parameters`) gains, replaces or loses a parameter: seams.py
   replaces its `__setitem__` and `__delitem__`, through which nn.Module's `register_parameter`,
   `__setattr__`, `__delattr__` and `_apply` and OrderedDict's `update`, `pop` and `popitem` reach it;
@@ -28,8 +31,14 @@ class TreeEpoch:
         self.value = 0
 
     def advance(self, *_hook_args):
-        """Moves the epoch; also torch's module-registration hook (returns None: the module is kept)."""
+        """Moves the epoch."""
         self.value += 1
+
+    def registered(self, parent, _name, _module):
+        """torch's module-registration hook (returns None: the module is kept): moves the epoch when the
+        parent belongs to a z3ext tree."""
+        if "ds_id" in parent.__dict__:
+            self.value += 1
 
 
 TREE = TreeEpoch()
@@ -41,7 +50,7 @@ def watch_module_registrations():
     global _torch_hook
     if _torch_hook is None:
         from torch.nn.modules.module import register_module_module_registration_hook
-        _torch_hook = register_module_module_registration_hook(TREE.advance)
+        _torch_hook = register_module_module_registration_hook(TREE.registered)
 
 
 def setitem(stock):

@@ -141,11 +141,19 @@ def register(offload, module):
 
     stack = private.forward_module_stack()
 
+    grad_enabled = torch.is_grad_enabled
+
     @_never_traced
     def _pre_forward(m, args):
         stack.append(m)
-        offload.param_coordinator.fetch_sub_module(m, True)
-        if torch.is_grad_enabled():
+        coordinator = offload.param_coordinator
+        resident = coordinator.resident
+        if resident.fast:  # [Note: resident fast path] in resident_set.py
+            if id(m) in resident.fast_ids and not grad_enabled():
+                return
+            resident.leave_fast_path()
+        coordinator.fetch_sub_module(m, True)
+        if grad_enabled():
             return _input_boundary(args, boundary)
 
     @_never_traced
@@ -153,6 +161,11 @@ def register(offload, module):
         raised = output is None and sys.exc_info()[0] is not None
         if stack and stack[-1] is m:
             stack.pop()
+        resident = offload.param_coordinator.resident
+        if resident.fast and id(m) in resident.fast_ids:  # [Note: resident fast path]: nothing to release
+            if isinstance(output, torch.Tensor) and (hasattr(output, "ds_id") or hasattr(output, "ds_param_alias")):
+                _dangling(m, [output if hasattr(output, "ds_id") else output.ds_param_alias])
+            return
         if isinstance(output, torch.Tensor):  # most modules: one tensor, no walk
             outputs = (output, )
             if hasattr(output, "ds_id") or hasattr(output, "ds_param_alias"):
@@ -163,6 +176,6 @@ def register(offload, module):
                         if hasattr(t, "ds_id") or hasattr(t, "ds_param_alias")]
             if returned:
                 _dangling(m, returned)
-        offload.param_coordinator.release_sub_module(m, torch.is_grad_enabled(), args, outputs, raised)
+        offload.param_coordinator.release_sub_module(m, grad_enabled(), args, outputs, raised)
 
     visit(module)

@@ -64,7 +64,8 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
                                                   self._prefetch_bucket_sz, hold_for_backward=hold,
                                                   hold_max_numel=z3ext_config.hold_max_numel,
                                                   group_max_numel=group_max,
-                                                  group_claim_max_numel=z3ext_config.fetch_group_claim_numel)
+                                                  group_claim_max_numel=z3ext_config.fetch_group_claim_numel,
+                                                  resident_numel=z3ext_config.resident_numel)
         self.z3ext.coordinator = self.param_coordinator
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])

@@ -77,7 +77,8 @@ def _table():
 
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from deepspeed_z3ext import config, epoch, external, fallback, gathered, grad_hooks, grads, norm, offload, swap
+    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, norm, offload,
+                                 swap)
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -96,6 +97,8 @@ def _table():
              "([Note: forward flags])"),
         Seam(DeepSpeedEngine, "_forward_epilogue", external.forward_epilogue,
              "the same at the forward's end ([Note: forward flags])"),
+        Seam(DeepSpeedEngine, "train", generation.engine_train,
+             "training mode releases what no_grad forwards kept resident ([Note: generation residency])"),
         Seam(DeepCompileZ3EagerFallback, "__new__",
              _dispatch_new(DeepCompileZ3EagerFallback, "engine", fallback.new_fallback),
              "DeepCompile's eager fallback on z3ext claims for z3ext engines"),

@@ -29,6 +29,10 @@ class Z3extStats(NamedTuple):
     schedule_checks: int = 0
     schedule_check_seconds: float = 0.0
     graph_votes: int = 0            # votes on graph deaths ([Note: one schedule on every rank])
+    # [Note: generation residency] in resident_set.py: elements no_grad forwards keep gathered now, and the
+    # no_grad forwards that found everything resident ([Note: resident fast path])
+    resident_numel: int = 0
+    resident_forwards: int = 0
 
 
 def state_of(engine):
@@ -68,7 +72,9 @@ def stats(engine) -> Z3extStats:
                       nvme_reads=getattr(residency, "reads", 0),
                       nvme_read_ahead_hits=getattr(residency, "read_ahead_hits", 0),
                       schedule_checks=check.checks if check else 0, schedule_check_seconds=check.seconds if check else 0.0,
-                      graph_votes=state.agreement.votes)
+                      graph_votes=state.agreement.votes,
+                      resident_numel=state.coordinator.resident.numel if state.coordinator else 0,
+                      resident_forwards=state.coordinator.resident.forwards if state.coordinator else 0)
 
 
 def grad_stats(engine):

@@ -57,12 +57,16 @@ class PrefetchWindow:
             self.frontier = pos
         return self.ahead_numel * 2 <= self.bucket_numel
 
-    def next_batch(self, order, unit_for: Callable, live_room: int) -> Optional[Batch]:
-        """The units to gather now from the frontier on ([Note: batch size]), or None."""
+    def next_batch(self, order, unit_for: Callable, live_room: int, skip_gathered=False) -> Optional[Batch]:
+        """The units to gather now from the frontier on ([Note: batch size]), or None. `skip_gathered`:
+        units gathered already (resident: [Note: generation residency]) are passed over."""
         room = min(self.bucket_numel - self.ahead_numel, live_room)
         units, owners, taken, numel, i = [], [], [], 0, self.frontier
         while i < len(order):
             unit = unit_for(order[i])
+            if skip_gathered and not unit.partitioned:
+                i += 1
+                continue
             n = unit.numel  # a C++ loop over the unit's handles: read once
             if numel + n > room and (units or self._ahead or n > live_room):
                 break  # else a unit larger than the window, gathered ahead alone

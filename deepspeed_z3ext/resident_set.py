@@ -1,0 +1,110 @@
+"""ResidentSet: the units no_grad forwards keep gathered for the next one (generation).
+
+[Note: generation residency] Generation runs one no_grad forward per new token over the same modules in
+the same order ([Note: forward plan]); releasing each unit after its module and gathering it again in the
+next forward moves the whole model per token. Instead, at the end of a module's no_grad forward its unit
+takes a Resident claim while the resident elements stay within `z3ext.resident_numel` (default:
+stage3_max_live_parameters less stage3_prefetch_bucket_size, which stays free for the window); units
+past the budget are released as before and gathered ahead along the plan ([Note: prefetch window],
+which passes over resident units). Resident parameters plus what is ahead plus the running module's unit
+bound what a no_grad forward holds. Resident claims end all together ([Note: one release routine]): at
+the next grad-enabled outermost forward, at `engine.train()`, at the optimizer step and DeepSpeed's other
+releases of everything (claims.STEP_KINDS), at `deepspeed_z3ext.release_resident(engine)` and at the
+exit of a `deepspeed_z3ext.resident(engine, numel)` block (which also sets the budget inside it). Which
+units are resident follows from the modules run and their sizes alone, so every rank keeps the same ones
+([Note: one schedule on every rank] in schedule.py).
+
+[Note: resident fast path] When one no_grad forward ended with every unit it fetched resident, the next
+no_grad forward over the same tree ([Note: tree epoch]) needs no claim: nothing that can run inside a
+no_grad forward ends a Resident claim (a GatheredParameters exit drops its own kind, a direct
+`partition()` drops Direct claims). Its module hooks then keep DeepSpeed's module stack and nothing else
+(hooks.py): the host cost per module of a generated token approaches the unsharded model's. A module the
+forward that made the set did not run takes the full path, and the next forward takes it everywhere and
+makes the set again.
+"""
+from deepspeed_z3ext import claims
+from deepspeed_z3ext.epoch import TREE
+
+
+class ResidentSet:
+
+    def __init__(self, engine, budget_numel: int):
+        self.engine = engine
+        self.budget = budget_numel
+        self.units = set()   # keys (ids of the modules whose release kept their unit)
+        self._params = set()  # ds_ids of the parameters resident (units overlap: a block's and its members')
+        self.numel = 0
+        self.forwards = 0      # no_grad forwards that ran the fast path ([Note: resident fast path])
+        # Making the fast path: the modules this no_grad forward ran, whether every unit stayed.
+        self._seen = []
+        self._all_kept = True
+        self.fast = False       # this forward runs the fast path
+        self.fast_ids = None    # frozenset of the module ids it covers; None: no complete forward yet
+        self._epoch = -1
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def keep(self, key, unit) -> bool:
+        """A no_grad forward released `unit` (of module `key`): it stays gathered if it fits the budget."""
+        if key in self.units:
+            return True
+        held = self._params
+        new = [h for h in unit.handles if h.ds_id not in held]
+        n = sum(h.numel for h in new)
+        if self.numel + n > self.budget:
+            self._all_kept = False
+            return False
+        self.engine.unshard(unit, claims.RESIDENT, claims.SHARED_OWNER, False)  # gathered: the claim only
+        self.units.add(key)
+        held.update(h.ds_id for h in new)
+        self.numel += n
+        return True
+
+    def seen(self, module):
+        self._seen.append(module)
+
+    def start_forward(self, grad_enabled: bool):
+        """An outermost forward starts: a grad-enabled one ends residency; a no_grad one runs the fast
+        path when the last no_grad forward kept everything it ran and the tree has not changed since."""
+        self._seen = []
+        self._all_kept = True
+        if grad_enabled:
+            self.release()
+            return
+        self.fast = self.fast_ids is not None and self._epoch == TREE.value
+        if self.fast:
+            self.forwards += 1
+
+    def end_forward(self):
+        """The outermost no_grad forward (not the fast path) ended: its modules form the fast path's set
+        when every unit it released stayed resident."""
+        if self._all_kept and self._seen and self.units:
+            self.fast_ids = frozenset(map(id, self._seen))
+            self._epoch = TREE.value
+        else:
+            self.fast_ids = None
+        self._seen = []
+
+    def leave_fast_path(self):
+        """A module the set does not cover ran: the rest of this forward, and the next, take the full path."""
+        self.fast = False
+        self.fast_ids = None
+        self._all_kept = False
+
+    def release(self):
+        """Every Resident claim ends; units nothing else claims are released."""
+        self.fast = False
+        self.fast_ids = None
+        if self.units:
+            self.forget()
+            self.engine.sweep([claims.RESIDENT])
+
+    def forget(self):
+        """Resident claims were dropped by a sweep of everything (the step, a checkpoint)."""
+        self.fast = False
+        self.fast_ids = None
+        self.units.clear()
+        self._params.clear()
+        self.numel = 0
