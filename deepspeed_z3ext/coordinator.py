@@ -99,8 +99,9 @@ class Z3extCoordinator:
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
             grad = torch.is_grad_enabled()
-            self.resident.start_forward(grad)  # [Note: generation residency] in resident_set.py
-            self._noting = not grad and self.resident.enabled
+            # [Note: generation residency] in resident_set.py (after the vote on dead graphs above)
+            self.resident.start_forward(grad, self.backward_claims.live_graphs() > 0)
+            self._noting = self.resident.keeping
             check = self.state.schedule_check
             if check is not None and check.every_forward:
                 check.check("at an outermost forward")  # [Note: schedule check] in schedule.py

@@ -1,5 +1,5 @@
 """Generation controls: a block whose no_grad forwards keep their units resident, an explicit release, and
-`engine.train()` ending residency ([Note: generation residency] in resident_set.py)."""
+`engine.backward` and `engine.train()` ending residency ([Note: generation residency] in resident_set.py)."""
 import contextlib
 
 import torch
@@ -30,15 +30,28 @@ def resident(model, numel=None):
     if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
         raise ValueError(f"deepspeed_z3ext.resident: numel must be an int >= 0 or None, got {numel!r}")
     res = coordinator.resident
-    budget = res.budget
+    budget, explicit = res.budget, res.explicit
     coordinator.release_resident()  # what an earlier generation kept counts against another budget
     if numel is not None:
         res.budget = numel
+    res.explicit = True  # every no_grad forward inside keeps, the first one too
     try:
         yield
     finally:
-        res.budget = budget
+        res.budget, res.explicit = budget, explicit
         coordinator.release_resident()
+
+
+def engine_backward(stock):
+    """`DeepSpeedEngine.backward` (seams.py): what no_grad forwards kept is released before a backward."""
+
+    def backward(self, *args, **kwargs):
+        state = of_engine(self)
+        if state is not None and state.coordinator is not None:
+            state.coordinator.release_resident()
+        return stock(self, *args, **kwargs)
+
+    return backward
 
 
 def engine_train(stock):

@@ -2,13 +2,16 @@
 
 [Note: generation residency] Generation runs one no_grad forward per new token over the same modules in
 the same order ([Note: forward plan]); releasing each unit after its module and gathering it again in the
-next forward moves the whole model per token. Instead, at the end of a module's no_grad forward its unit
-takes a Resident claim while the resident elements stay within `z3ext.resident_numel` (default:
+next forward moves the whole model per token. Instead, in a no_grad forward that follows another one (the
+second forward of a generate call on), at the end of a module's forward its unit takes a Resident claim while the resident elements stay within `z3ext.resident_numel` (default:
 stage3_max_live_parameters less stage3_prefetch_bucket_size, which stays free for the window); units
 past the budget are released as before and gathered ahead along the plan ([Note: prefetch window],
 which passes over resident units). Resident parameters plus what is ahead plus the running module's unit
-bound what a no_grad forward holds. Resident claims end all together ([Note: one release routine]): at
-the next grad-enabled outermost forward, at `engine.train()`, at the optimizer step and DeepSpeed's other
+bound what a no_grad forward holds. A single no_grad forward keeps nothing, nor one while a grad-enabled
+forward's graph awaits its backward: DPO's reference forward between the policy's forward and backward,
+or evaluation between training steps, hold no more than before (inside a `deepspeed_z3ext.resident` block
+every no_grad forward keeps). Resident claims end all together ([Note: one release routine]): at
+the next grad-enabled outermost forward, at `engine.backward` and `engine.train()`, at the optimizer step and DeepSpeed's other
 releases of everything (claims.STEP_KINDS), at `deepspeed_z3ext.release_resident(engine)` and at the
 exit of a `deepspeed_z3ext.resident(engine, numel)` block (which also sets the budget inside it). Which
 units are resident follows from the modules run and their sizes alone, so every rank keeps the same ones
@@ -41,6 +44,9 @@ class ResidentSet:
         self.fast = False       # this forward runs the fast path
         self.fast_ids = None    # frozenset of the module ids it covers; None: no complete forward yet
         self._epoch = -1
+        self.keeping = False    # this outermost forward keeps what it releases, within the budget
+        self.explicit = False   # inside a `deepspeed_z3ext.resident` block
+        self._after_no_grad = False  # the last outermost forward was no_grad, nothing ended residency since
 
     @property
     def enabled(self) -> bool:
@@ -65,15 +71,19 @@ class ResidentSet:
     def seen(self, module):
         self._seen.append(module)
 
-    def start_forward(self, grad_enabled: bool):
-        """An outermost forward starts: a grad-enabled one ends residency; a no_grad one runs the fast
-        path when the last no_grad forward kept everything it ran and the tree has not changed since."""
+    def start_forward(self, grad_enabled: bool, graph_pending: bool):
+        """An outermost forward starts: a grad-enabled one ends residency; a no_grad one keeps units when
+        it follows another no_grad forward and no graph awaits its backward, and runs the fast path when
+        the last no_grad forward kept everything it ran and the tree has not changed since."""
         self._seen = []
         self._all_kept = True
         if grad_enabled:
             self.release()
+            self.keeping = False
             return
-        self.fast = self.fast_ids is not None and self._epoch == TREE.value
+        self.keeping = self.enabled and (self.explicit or (self._after_no_grad and not graph_pending))
+        self._after_no_grad = True
+        self.fast = self.keeping and self.fast_ids is not None and self._epoch == TREE.value
         if self.fast:
             self.forwards += 1
 
@@ -95,14 +105,14 @@ class ResidentSet:
 
     def release(self):
         """Every Resident claim ends; units nothing else claims are released."""
-        self.fast = False
-        self.fast_ids = None
-        if self.units:
-            self.forget()
+        had = bool(self.units)
+        self.forget()
+        if had:
             self.engine.sweep([claims.RESIDENT])
 
     def forget(self):
         """Resident claims were dropped by a sweep of everything (the step, a checkpoint)."""
+        self._after_no_grad = False
         self.fast = False
         self.fast_ids = None
         self.units.clear()

@@ -97,6 +97,8 @@ def _table():
              "([Note: forward flags])"),
         Seam(DeepSpeedEngine, "_forward_epilogue", external.forward_epilogue,
              "the same at the forward's end ([Note: forward flags])"),
+        Seam(DeepSpeedEngine, "backward", generation.engine_backward,
+             "a backward releases what no_grad forwards kept resident ([Note: generation residency])"),
         Seam(DeepSpeedEngine, "train", generation.engine_train,
              "training mode releases what no_grad forwards kept resident ([Note: generation residency])"),
         Seam(DeepCompileZ3EagerFallback, "__new__",
