@@ -34,6 +34,7 @@
 #                                    # through gloo, N in ONE_GPU_RANKS (default "2 4"), the N runs side by side
 #                                    # ([Note: ranks on one GPU] in tests/harness.py); ONE_GPU_TESTS: pytest arguments
 #                                    # (ONE_GPU_TESTS_<N>: for the N-rank run only)
+#   bash bench/device_run.sh generate         # HF generate at simulated worlds 8 and 64 (bench/generate.py; GEN_RUNS)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -46,7 +47,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld* || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld* || $what == generate || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -71,6 +72,20 @@ if [[ $what == ranks-on-one-gpu ]]; then
   done
   for p in "${pids[@]}"; do wait "$p"; done
   for n in ${ONE_GPU_RANKS:-2 4}; do echo "== $n ranks on one GPU"; tail -n 30 "$LOG/ranks-on-one-gpu-$n.log"; done
+fi
+if [[ $what == generate ]]; then
+  # HF generate at simulated worlds (bench/generate.py): GEN_RUNS "shape world [new tokens]" separated by ';',
+  # shapes 0.94B (16x2048) and 6.7B (32x4096, fewer systems); each run one process, GEN_LIMIT seconds at most.
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  IFS=';' read -ra runs <<< "${GEN_RUNS:-0.94B 8;0.94B 64;6.7B 8 32}"
+  for run in "${runs[@]}"; do
+    set -- $run
+    args="--new-tokens ${3:-64} --rounds ${GEN_ROUNDS:-2}"
+    [[ $1 == 6.7B ]] && args+=" --layers 32 --hidden 4096 --systems unsharded,stock,z3ext,z3ext@1,z3ext@0.5,z3ext@0.25,z3ext@0,z3ext-trl,z3ext-gathered"
+    timeout -k 5 "${GEN_LIMIT:-200}" python3 bench/generate.py --sim-world "$2" $args --out "$LOG/generate-$1-w$2.json" 2>&1 |
+      grep -v Warning | tee -a "$LOG/generate.log" | sed -n '/^# generate/,$p'
+  done
+  cp bench/out/generate-0.94B-w8.png "$LOG/" 2>/dev/null
 fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20

@@ -236,7 +236,7 @@ def main(argv=None):
     out = Path(a.out) if a.out else OUT_DIR / f"generate-w{a.sim_world}-{a.layers}x{a.hidden}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    plot(res, out.with_suffix(".png"))
+    plot(res, OUT_DIR / f"{out.stem}.png")  # beside the bench's other plots, not beside --out
     return res
 
 
