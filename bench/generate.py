@@ -95,7 +95,7 @@ def build(name, a, device, n_params):
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = name.split("-")[0]
+    base = name.split("#")[0].split("-")[0]  # "<system>#K": another copy, built and measured later
     if base == "unsharded":
         with torch.device(device):
             model = LlamaForCausalLM(llama_config(a)).to(dtype)
@@ -146,9 +146,10 @@ def run_generate(s, ids, new_tokens):
     import contextlib
     import deepspeed
     ctx = contextlib.nullcontext()
-    if s.name.endswith("-trl"):
+    kind = s.name.split("#")[0]
+    if kind.endswith("-trl"):
         ctx = _trl_gathered(s.engine)
-    elif s.name.endswith("-gathered"):
+    elif kind.endswith("-gathered"):
         ctx = deepspeed.zero.GatheredParameters(list(s.model.parameters()))
     with torch.no_grad(), ctx:
         out = s.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -271,6 +272,7 @@ def plot(res, path):
     ax2.set_xlabel("z3ext.resident_numel / model elements")
     fig.suptitle(res["simulated_world"])
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 
 

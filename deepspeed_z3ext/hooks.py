@@ -15,7 +15,8 @@ A held module needs nothing in backward. Only a module that was not held in a gr
 gets backward hooks, and cheap ones, owned by that one call (graphs.claim_per_call). Inputs and
 outputs are walked at any depth (tuples, lists, dicts, namedtuples, dataclasses, HF ModelOutput),
 as DeepSpeed's `apply_to_tensors_only` does. The root module also carries DeepSpeed's
-start-of-forward hook (`reset_step`).
+start-of-forward hook (`reset_step`) and, before it, one that notes whether the call passes a KV cache
+([Note: generation residency] in resident_set.py).
 """
 import sys
 
@@ -178,4 +179,12 @@ def register(offload, module):
                 _dangling(m, returned)
         offload.param_coordinator.release_sub_module(m, grad_enabled(), args, outputs, raised)
 
+    @_never_traced
+    def _root_call(m, args, kwargs):
+        # [Note: generation residency]: HF generate passes its KV cache; read before DeepSpeed's start-of-forward hook
+        # (`past_key_values`; `cache` since transformers 5.25)
+        offload.param_coordinator.resident.generating = (kwargs.get("past_key_values") is not None
+                                                         or kwargs.get("cache") is not None)
+
+    offload.forward_hooks.append(module.register_forward_pre_hook(_root_call, prepend=True, with_kwargs=True))
     visit(module)

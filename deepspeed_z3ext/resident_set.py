@@ -2,20 +2,21 @@
 
 [Note: generation residency] Generation runs one no_grad forward per new token over the same modules in
 the same order ([Note: forward plan]); releasing each unit after its module and gathering it again in the
-next forward moves the whole model per token. Instead, in a no_grad forward that follows another one (the
-second forward of a generate call on), at the end of a module's forward its unit takes a Resident claim while the resident elements stay within `z3ext.resident_numel` (default:
-stage3_max_live_parameters less stage3_prefetch_bucket_size, which stays free for the window); units
-past the budget are released as before and gathered ahead along the plan ([Note: prefetch window],
-which passes over resident units). Resident parameters plus what is ahead plus the running module's unit
-bound what a no_grad forward holds. A single no_grad forward keeps nothing, nor one while a grad-enabled
-forward's graph awaits its backward: DPO's reference forward between the policy's forward and backward,
-or evaluation between training steps, hold no more than before (inside a `deepspeed_z3ext.resident` block
-every no_grad forward keeps). Resident claims end all together ([Note: one release routine]): at
-the next grad-enabled outermost forward, at `engine.backward` and `engine.train()`, at the optimizer step and DeepSpeed's other
-releases of everything (claims.STEP_KINDS), at `deepspeed_z3ext.release_resident(engine)` and at the
-exit of a `deepspeed_z3ext.resident(engine, numel)` block (which also sets the budget inside it). Which
-units are resident follows from the modules run and their sizes alone, so every rank keeps the same ones
-([Note: one schedule on every rank] in schedule.py).
+next forward moves the whole model per token. A generation step is known by its call: HF `generate` passes
+the model its KV cache (`past_key_values`, `cache` since transformers 5.25; hooks.py reads the root
+module's keyword arguments), prompt included; inside a `deepspeed_z3ext.resident(engine, numel)` block every no_grad forward counts as one.
+In such a forward, at the end of a module's forward its unit takes a Resident claim while the resident
+elements stay within `z3ext.resident_numel` (default: stage3_max_live_parameters less
+stage3_prefetch_bucket_size, which stays free for the window); units past the budget are released as
+before and gathered ahead along the plan ([Note: prefetch window], which passes over resident units).
+Resident parameters, what is ahead and the running module's unit bound what the forward holds. No other
+forward keeps anything: evaluation, a reference model's forward (TRL's DPO and GRPO), a forward whose
+graph awaits its backward hold what they held before. Resident claims end all together ([Note: one
+release routine]): at the next outermost forward that is not a generation step (grad-enabled or not),
+at `engine.backward` and `engine.train()`, at the optimizer step and DeepSpeed's other releases of
+everything (claims.STEP_KINDS), at `deepspeed_z3ext.release_resident(engine)` and at the exit of a
+`resident` block. Which units are resident follows from the calls made and the modules' sizes alone, so
+every rank keeps the same ones ([Note: one schedule on every rank] in schedule.py).
 
 [Note: resident fast path] When one no_grad forward ended with every unit it fetched resident, the next
 no_grad forward over the same tree ([Note: tree epoch]) needs no claim: nothing that can run inside a
@@ -46,7 +47,7 @@ class ResidentSet:
         self._epoch = -1
         self.keeping = False    # this outermost forward keeps what it releases, within the budget
         self.explicit = False   # inside a `deepspeed_z3ext.resident` block
-        self._after_no_grad = False  # the last outermost forward was no_grad, nothing ended residency since
+        self.generating = False  # the coming outermost call passes a KV cache (set by hooks.py, read once)
 
     @property
     def enabled(self) -> bool:
@@ -72,18 +73,17 @@ class ResidentSet:
         self._seen.append(module)
 
     def start_forward(self, grad_enabled: bool, graph_pending: bool):
-        """An outermost forward starts: a grad-enabled one ends residency; a no_grad one keeps units when
-        it follows another no_grad forward and no graph awaits its backward, and runs the fast path when
-        the last no_grad forward kept everything it ran and the tree has not changed since."""
+        """An outermost forward starts: one that is not a generation step ends residency; a generation step
+        keeps units unless a graph awaits its backward, and runs the fast path when the last one kept
+        everything it ran and the tree has not changed since."""
+        generating, self.generating = self.generating, False
         self._seen = []
         self._all_kept = True
-        if grad_enabled:
+        self.keeping = self.enabled and not grad_enabled and (self.explicit or (generating and not graph_pending))
+        if not self.keeping:
             self.release()
-            self.keeping = False
             return
-        self.keeping = self.enabled and (self.explicit or (self._after_no_grad and not graph_pending))
-        self._after_no_grad = True
-        self.fast = self.keeping and self.fast_ids is not None and self._epoch == TREE.value
+        self.fast = self.fast_ids is not None and self._epoch == TREE.value
         if self.fast:
             self.forwards += 1
 
@@ -112,7 +112,6 @@ class ResidentSet:
 
     def forget(self):
         """Resident claims were dropped by a sweep of everything (the step, a checkpoint)."""
-        self._after_no_grad = False
         self.fast = False
         self.fast_ids = None
         self.units.clear()

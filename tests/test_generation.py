@@ -1,7 +1,7 @@
 """Generation on 2 real gloo ranks ([Note: generation residency], [Note: resident fast path] in resident_set.py):
 HF `generate` on a tiny Llama gives stock ZeRO-3's tokens and scores bitwise, with the whole model resident
-(no gather after the first new token's forward, every later token on the fast path; a single no_grad
-forward, as DPO's reference forward, keeps nothing), within a budget of half the
+(no gather after the prompt's forward, every later token on the fast path; evaluation and DPO's reference
+forward keep nothing), within a budget of half the
 model (what the ranks really hold stays within the budget, the window and one unit), with residency off,
 and inside TRL's whole-model GatheredParameters; residency ends at `train()`, at a grad-enabled forward, at
 the step, at `engine.backward`, at `release_resident` and at the end of a `resident` block; training after generation stays
@@ -109,7 +109,7 @@ def generation_runs():
             r.setdefault("peak", []).append(peak[0])
             if st is not None:
                 r.setdefault("collectives", []).append(st.collectives - before.collectives)
-                r.setdefault("after_second_forward", []).append(st.collectives - ends[1])
+                r.setdefault("after_first_forward", []).append(st.collectives - ends[0])
                 r.setdefault("fast", []).append(st.resident_forwards - before.resident_forwards)
                 r.setdefault("resident", []).append(st.resident_numel)
                 kinds = {k for cs in st.claims.values() for k, _ in cs}
@@ -132,17 +132,20 @@ def generation_runs():
             deepspeed_z3ext.release_resident(engine)
             # a grad-enabled forward ends residency before it gathers; release_resident ends it explicitly
             ids = _prompt(rank, 80)
-            # DPO's reference forward: one no_grad forward between a forward and its backward keeps nothing,
-            # nor one no_grad forward alone
+            # Evaluation and DPO's reference forward keep nothing: no_grad forwards without a KV cache, one
+            # between a forward and its backward; one after a generation ends its residency
             loss = engine(input_ids=ids, labels=ids).loss
             with torch.no_grad():
+                engine(input_ids=ids)
                 engine(input_ids=ids)
             pending = deepspeed_z3ext.stats(engine).resident_numel
             engine.backward(loss)
             engine.step()
+            _generate(engine, _prompt(rank, 78))
+            generated = deepspeed_z3ext.stats(engine).resident_numel
             with torch.no_grad():
                 engine(input_ids=ids)
-            r["single_no_grad"] = (pending, deepspeed_z3ext.stats(engine).resident_numel)
+            r["single_no_grad"] = (pending, deepspeed_z3ext.stats(engine).resident_numel, generated > 0)
             _generate(engine, _prompt(rank, 79))
             resident_before = deepspeed_z3ext.stats(engine).resident_numel
             loss = engine(input_ids=ids, labels=ids).loss
@@ -194,12 +197,11 @@ def test_generate_is_bitwise_equal_to_stock(runs):
 def test_the_whole_model_resident_gathers_once_per_generate(runs):
     for rank, res in enumerate(runs):
         r, off = res["z3ext"], res["z3ext-off"]
-        # The prompt's forward keeps nothing (a single no_grad forward), the first new token's keeps everything,
-        # every later token finds everything resident: no gather after the second forward.
-        assert r["fast"] == [NEW_TOKENS - 2] * 2, r["fast"]
-        assert r["after_second_forward"] == [0, 0] and off["after_second_forward"][1] > 0, (
-            r["after_second_forward"], off["after_second_forward"])
-        assert r["single_no_grad"] == (0, 0), r["single_no_grad"]
+        # The prompt's forward keeps everything, every later token finds everything resident: no gather after it.
+        assert r["fast"] == [NEW_TOKENS - 1] * 2, r["fast"]
+        assert r["after_first_forward"] == [0, 0] and off["after_first_forward"][1] > 0, (
+            r["after_first_forward"], off["after_first_forward"])
+        assert r["single_no_grad"] == (0, 0, True), r["single_no_grad"]
         assert off["fast"] == [0, 0] and off["resident"] == [0, 0] and "resident" not in off["kinds"][0]
         assert r["resident"][0] * 4 == r["total_bytes"] and "resident" in r["kinds"][0]
         assert r["after_train"][0] == 0 and r["after_train"][1] == 0, r["after_train"]

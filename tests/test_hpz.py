@@ -101,12 +101,14 @@ def compare_hpz_with_stock(variants, steps=3, frozen="", base_extra=None):
         return engine, losses, full_params(engine), (checks, secondary_bytes)
 
     out = {}
-    deterministic = contextlib.nullcontext()
-    if on_gpu():  # the memory-efficient attention backward is not deterministic
+    def deterministic():
+        if not on_gpu():
+            return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        deterministic = sdpa_kernel(SDPBackend.MATH)
+        return sdpa_kernel(SDPBackend.MATH)  # the memory-efficient attention backward is not deterministic
+
     for name, (z3ext, zero_extra, mel) in {"stock": (False, None, False), **variants}.items():
-        with deterministic:
+        with deterministic():
             engine, losses, params, checks = run(_config(z3ext, {**(base_extra or {}), **(zero_extra or {})}, mel=mel))
         checks, secondary_bytes = checks
         expected_bytes = sum(4 * -(-p.ds_numel // WORLD) * (WORLD // HPZ) for p in engine.module.parameters()

@@ -23,6 +23,8 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__delitem__"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_prologue"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_epilogue"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "train"),
     ("deepspeed.compile.z3_eager_fallback", "DeepCompileZ3EagerFallback", "__new__"),
     ("deepspeed.runtime.swap_tensor.partitioned_param_swapper", "AsyncPartitionedParameterSwapper", "__new__"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_rigid_load_state_dict"),
