@@ -49,7 +49,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("pre_bwd_fn", None)
             m.__dict__.pop("post_bwd_fn", None)
         super().__init__(module, timers, ds_config, *args, **kwargs)
-        self.z3ext = Z3extState(self.module, z3ext_config)
+        self.z3ext = Z3extState(self.module, z3ext_config, self.persistent_parameters)
         swap.attach_residency(self.z3ext.engine, self.z3ext.params)  # [Note: nvme offload]
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
         # and fetch it again for backward: z3ext honours it by not holding for backward.

@@ -4,6 +4,16 @@
 engine; parameters point at their handle through `param._z3ext_handle`, so re-wrapping a model with a
 new engine re-points them and the old engine's state is unreachable from the model. Nothing is
 process-global except the class-level seams installed at import (seams.py).
+
+[Note: re-wrapped parameters] An engine kept alive after a later one wrapped its module (TRL's DPO keeps the
+inference engine that precomputed the reference log-probs, over the policy the trainer then wraps) still has
+its hooks on the module, as stock's does. Adopting a parameter of such an engine, the new one takes it whole:
+the old one's claims on it are dropped and its cached units forgotten, so its hooks find none of its parameters
+there and the new engine alone gathers and releases them (before, the old hooks went on claiming them through
+their old handles, and with the old engine's persistence kept the whole model gathered). A parameter is
+persistent where its engine's DeepSpeedZeRoOffload marked it (`persistent_parameters`, what stock gathers again
+after every step), not by its `ds_persist`, which stock never resets: a threshold of the earlier engine
+(prepare_deepspeed's "auto" left unresolved: DeepSpeed's 1e5) would make the whole model resident.
 """
 import atexit
 import weakref
@@ -73,8 +83,10 @@ def group_of(param):
 
 class Z3extState:
 
-    def __init__(self, module: torch.nn.Module, config):
+    def __init__(self, module: torch.nn.Module, config, persistent=None):
         self.config = config
+        # [Note: re-wrapped parameters]: the offload's persistent parameters; None: each one's ds_persist
+        self._persistent = None if persistent is None else {id(p) for p in persistent}
         self.module = module
         self.engine = ops().GatherEngine(ZeroParamStatus.AVAILABLE, ZeroParamStatus.NOT_AVAILABLE)
         if comms.enabled():  # DeepSpeed's comms logger records z3ext's gathers ([Note: comms logger])
@@ -99,13 +111,16 @@ class Z3extState:
         _LIVE.add(self)
 
     def _adopt(self, param, name):
+        prior = getattr(param, STATE_ATTR, None)
+        if prior is not None and prior is not self:
+            prior._disown(param)  # [Note: re-wrapped parameters]
         if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
             # Gathered by stock code before z3ext took over (e.g. GatheredParameters at load time).
             param.partition()
         group = group_of(param)
         handle = self.engine.make_handle(param, name, param.ds_id, param.ds_numel, param.ds_tensor.ds_numel,
                                          list(param.ds_shape), group, tdist.get_rank(group),
-                                         tdist.get_world_size(group), bool(param.ds_persist))
+                                         tdist.get_world_size(group), self._persists(param))
         hpz = getattr(param, "ds_zero_param_process_group", None)
         if hpz is not None and getattr(param, "ds_secondary_tensor_group_size", 1) > 1:
             # ZeRO++ hpZ ([Note: hpZ secondary partition] in csrc/secondary.h)
@@ -115,6 +130,19 @@ class Z3extState:
         setattr(param, STATE_ATTR, self)
         entry.take_over(param, self)
         self.params.append(param)
+
+    def _persists(self, param) -> bool:
+        if self._persistent is None:
+            return bool(param.ds_persist)
+        return id(param) in self._persistent
+
+    def _disown(self, param):
+        """A later engine adopts `param` ([Note: re-wrapped parameters]): this engine's claims on it but a live
+        GatheredParameters block's are dropped (its storage released, as at DeepSpeed's release of everything), and
+        the units cached with its handle are rebuilt at their next use."""
+        self.engine.drop_kinds(self.unit_of([param]), list(claims.RESET_KINDS))
+        self._units.clear()
+        TREE.advance()  # this engine's fetch groups rebuild from the units
 
     def owns(self, param) -> bool:
         return getattr(param, STATE_ATTR, None) is self

@@ -7,32 +7,11 @@ under no_grad with the adapter disabled, then backward) with every parameter par
 import pytest
 
 from tests.harness import run_on_ranks
+from tests.hf_tiny import hf_zero3_config, tiny_llama_config, z3ext_engaged
 
 STEPS = 4
 SEQ = 16
 VOCAB = 128
-
-
-def hf_zero3_config(z3ext, persistence="auto", zero_extra=None, extra=None):
-    # "auto" as in HF's ZeRO-3 example config: the Trainer fills in 10 * hidden_size (norm weights
-    # persistent, every Linear and the embeddings partitioned) and the bucket sizes from the model.
-    zero = {"stage": 3, "stage3_param_persistence_threshold": persistence, "stage3_prefetch_bucket_size": "auto",
-            "reduce_bucket_size": "auto"}
-    zero.update(zero_extra or {})
-    cfg = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": zero,
-        "bf16": {"enabled": False},
-        "fp16": {"enabled": False},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if z3ext:
-        cfg["z3ext"] = z3ext
-    cfg.update(extra or {})
-    return cfg
 
 
 def _dataset(n, seed=4321):
@@ -64,7 +43,7 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1)
     import deepspeed_z3ext  # before the engine is built: installs the seams ("z3ext" is ignored without it)
     import transformers
     from accelerate.state import AcceleratorState
-    from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, TrainingArguments
 
     AcceleratorState._reset_state()  # a second Trainer in this process gets its own DeepSpeed plugin
     lora = recipe in ("lora", "dpo")
@@ -76,9 +55,7 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1)
         bf16=False, fp16=False, remove_unused_columns=False, disable_tqdm=True,
         **(checkpointing_args(use_reentrant=True) if lora else {}))
     assert transformers.integrations.is_deepspeed_zero3_enabled()
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False, use_cache=False, dtype="float32")
+    config = tiny_llama_config(vocab_size=VOCAB, hidden_size=64)
     transformers.set_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # inside zero.Init (ZeRO-3 is on)
     if lora:
@@ -92,7 +69,7 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1)
     trainer.train()
     engine = trainer.model_wrapped
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
-    engaged = _z3ext_engaged(engine)
+    engaged = z3ext_engaged(engine)
     assert engaged == bool(ds_config.get("z3ext")), f"z3ext engaged={engaged} but config z3ext={ds_config.get('z3ext')}"
     collectives = deepspeed_z3ext.stats(engine).collectives if engaged else None
     params = {}
@@ -104,11 +81,6 @@ def _train_once(recipe, ds_config, out_dir, seed=1234, steps=STEPS, bsz=2, ga=1)
     engine.destroy()
     return dict(losses=losses, params=params, collectives=collectives, partitioned=partitioned,
                 n_params=len(params), n_trainable=n_trainable)
-
-
-def _z3ext_engaged(engine):
-    opt = getattr(engine, "optimizer", engine)
-    return hasattr(getattr(opt, "parameter_offload", opt), "z3ext")
 
 
 def _RecordingTrainer():
