@@ -10,7 +10,7 @@ equal to a twin that never streamed. Without ranks: bad input, and modules that 
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
+from tests.harness import on_gpu, run_on_ranks
 
 BUDGETS = (4096, 20000, 1 << 30)  # TinyGPT: most parameters above, a few per bucket, one bucket
 
@@ -97,10 +97,26 @@ def _model():
     return TinyGPT(hidden=33, heads=3)
 
 
+def _tokens(i, rank):
+    from tests.models import batch
+    b = batch(i, rank)
+    return b.cuda() if on_gpu() else b
+
+
 def stream_checks(kinds):
+    import contextlib
+    ctx = contextlib.nullcontext()
+    if on_gpu():  # deterministic attention backward on GPU: the twin's bits
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx = sdpa_kernel(SDPBackend.MATH)
+    with ctx:
+        return _stream_checks(kinds)
+
+
+def _stream_checks(kinds):
     import deepspeed
     import deepspeed.comm as dist
-    from tests.models import batch, build_engine, ds_config, full_params
+    from tests.models import build_engine, ds_config, full_params
     from tests.training import train
     rank = dist.get_rank()
     dist.configure(enabled=True, prof_all=True)
@@ -111,7 +127,7 @@ def stream_checks(kinds):
         res = dict(losses=[], twin=[], order=[n for n, _ in engine.module.named_parameters()], padded=_padded(engine),
                    padding=[n for n, p in engine.module.named_parameters() if 2 * p.ds_tensor.ds_numel != p.ds_numel])
         for e, key in ((engine, "losses"), (twin, "twin")):
-            res[key] += train(e, 2, lambda i: batch(i, rank))
+            res[key] += train(e, 2, lambda i: _tokens(i, rank))
         ref = _reference(engine)
         held = _held(engine, z3ext)
         for budget in BUDGETS:
@@ -125,7 +141,7 @@ def stream_checks(kinds):
             res["held_in_block"] = (held, _held(engine, z3ext))
         # Between a forward and its backward (z3ext holds the forward's parameters for it), broken out of
         # and raised out of: nothing changes, and training goes on as the twin's.
-        loss, twin_loss = engine(batch(2, rank)), twin(batch(2, rank))
+        loss, twin_loss = engine(_tokens(2, rank)), twin(_tokens(2, rank))
         held = _held(engine, z3ext)
         res["mid_step"] = _stream(engine, ref, 20000)
         res["break"] = _stream(engine, ref, 4096, stop_after=2)
@@ -135,7 +151,7 @@ def stream_checks(kinds):
             e.backward(loss_)
             e.step()
             res[key].append(loss_.item())
-            res[key] += train(e, 1, lambda i: batch(i, rank), first_step=3)
+            res[key] += train(e, 1, lambda i: _tokens(i, rank), first_step=3)
         mine, theirs = full_params(engine), full_params(twin)
         res["params_differ"] = [n for n in mine if not torch.equal(mine[n], theirs[n])]
         out[z3ext] = res
@@ -168,7 +184,16 @@ def _assert_stream(where, r, budget, padded, order, stop=None):
 
 
 def test_full_weights_on_two_ranks():
-    results = run_on_ranks(stream_checks, kinds=[True, False], timeout=600)
+    _check_results(run_on_ranks(stream_checks, kinds=[True, False], timeout=600))
+
+
+@pytest.mark.gpus(2)
+def test_full_weights_on_two_gpus():
+    """NCCL: the gather in place on its stream, a waited-for buffer freed while its work may still hold it."""
+    _check_results(run_on_ranks(stream_checks, backend="nccl", kinds=[True, False], timeout=600))
+
+
+def _check_results(results):
     for rank, out in enumerate(results):
         for z3ext, r in out.items():
             where = f"rank {rank}, {'z3ext' if z3ext else 'stock'}"
