@@ -14,12 +14,13 @@ from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
 from deepspeed_z3ext.claims import ClaimError, ClaimKind
-from deepspeed_z3ext.errors import AioError, GradientError, Z3extActivationError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.errors import AioError, GradientError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.generation import release_resident, resident
 from deepspeed_z3ext.schedule import ScheduleMismatchError
 from deepspeed_z3ext.seams import install, installed, uninstall
 from deepspeed_z3ext.stats import Z3extStats, grad_stats, stats
+from deepspeed_z3ext.weights import FullWeight, full_weights
 from deepspeed_z3ext import deepspeed_private as _private
 
 __version__ = "0.1.0"
@@ -37,4 +38,5 @@ if not _report_only:
     install()
 
 __all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
-           "FallbackStats", "ScheduleMismatchError", "resident", "release_resident", "aio_handle", "AioError", "install", "uninstall", "installed"]
+           "FallbackStats", "ScheduleMismatchError", "resident", "release_resident", "aio_handle", "AioError", "install",
+           "uninstall", "installed", "full_weights", "FullWeight", "WeightsError"]

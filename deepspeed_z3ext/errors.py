@@ -16,3 +16,8 @@ class AioError(Z3extError, OSError):
 class GradientError(Z3extError, RuntimeError):
     """A gradient z3ext cannot reduce-scatter (missing, or not the parameter's size); the message names
     the parameter. A RuntimeError, as DeepSpeed's own "Cannot reduce scatter gradients" is."""
+
+
+class WeightsError(Z3extError, ValueError):
+    """A `full_weights` request it cannot serve (bucket_bytes, an unknown name, partitions on NVMe or
+    quantized); the message names what."""
