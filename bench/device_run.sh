@@ -74,14 +74,14 @@ if [[ $what == ranks-on-one-gpu ]]; then
   for n in ${ONE_GPU_RANKS:-2 4}; do echo "== $n ranks on one GPU"; tail -n 30 "$LOG/ranks-on-one-gpu-$n.log"; done
 fi
 if [[ $what == generate ]]; then
-  # HF generate at simulated worlds (bench/generate.py): GEN_RUNS "shape world [new tokens]" separated by ';',
-  # shapes 0.94B (16x2048) and 6.7B (32x4096, fewer systems); each run one process, GEN_LIMIT seconds at most.
+  # HF generate at simulated worlds (bench/generate.py): GEN_RUNS "shape world [new tokens [systems]]" separated
+  # by ';', shapes 0.94B (16x2048) and 6.7B (32x4096); each run one process, GEN_LIMIT seconds at most.
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
-  IFS=';' read -ra runs <<< "${GEN_RUNS:-0.94B 8;0.94B 64;6.7B 8 32}"
+  IFS=';' read -ra runs <<< "${GEN_RUNS:-0.94B 8;0.94B 64;6.7B 8 32 unsharded,stock,z3ext,z3ext@1,z3ext@0.25,z3ext@0}"
   for run in "${runs[@]}"; do
     set -- $run
-    args="--new-tokens ${3:-64} --rounds ${GEN_ROUNDS:-2}"
-    [[ $1 == 6.7B ]] && args+=" --layers 32 --hidden 4096 --systems unsharded,stock,z3ext,z3ext@1,z3ext@0.5,z3ext@0.25,z3ext@0,z3ext-trl,z3ext-gathered"
+    args="--new-tokens ${3:-64} --rounds ${GEN_ROUNDS:-2}${4:+ --systems $4}"
+    [[ $1 == 6.7B ]] && args+=" --layers 32 --hidden 4096"
     timeout -k 5 "${GEN_LIMIT:-200}" python3 bench/generate.py --sim-world "$2" $args --out "$LOG/generate-$1-w$2.json" 2>&1 |
       grep -v Warning | tee -a "$LOG/generate.log" | sed -n '/^# generate/,$p'
   done
