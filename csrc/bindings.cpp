@@ -107,6 +107,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const ScheduleLog& s = e.schedule();
         return py::make_tuple(s.count(), s.hash(), s.faults(), s.entries());
       })
+      .def("take_schedule", [](GatherEngine& e) {  // ends the span: (count, hash, faults, entries logged)
+        ScheduleLog& s = e.schedule();
+        auto out = py::make_tuple(s.count(), s.hash(), s.faults(), static_cast<int64_t>(s.entries().size()));
+        s.take();
+        return out;
+      })
+      .def("taken_schedule", [](GatherEngine& e) { return e.schedule().taken(); })
       .def("note_fault", [](GatherEngine& e) { e.schedule().note_fault(); })
       .def("reset_schedule", [](GatherEngine& e) { e.schedule().reset(); })
       .def("stats", [](const GatherEngine& e) {

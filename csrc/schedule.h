@@ -48,6 +48,14 @@ class ScheduleLog {
     entries_.clear();
   }
 
+  // Ends a span: its entries are kept aside (read only when the ranks disagree: copying 4096 pairs into
+  // Python at every check was most of its host time) and a new span starts.
+  void take() {
+    entries_.swap(taken_);
+    reset();
+  }
+  const std::vector<std::pair<int64_t, int64_t>>& taken() const { return taken_; }
+
  private:
   static uint64_t mix(uint64_t h, uint64_t v) {  // splitmix64 of the pair: order-sensitive
     uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
@@ -60,6 +68,7 @@ class ScheduleLog {
   int64_t count_ = 0;
   int64_t faults_ = 0;
   std::vector<std::pair<int64_t, int64_t>> entries_;  // (the collective's hash, its first ds_id)
+  std::vector<std::pair<int64_t, int64_t>> taken_;    // the last span's, set aside by take()
 };
 
 }  // namespace z3ext

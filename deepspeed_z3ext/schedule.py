@@ -122,7 +122,6 @@ class Gathered(NamedTuple):
 
 class _Pending(NamedTuple):
     where: str
-    entries: list        # this rank's logged collectives of the compared span
     gathered: Gathered   # every rank's Fingerprint
 
 
@@ -151,13 +150,13 @@ class ScheduleCheck:
         if pending is not None:
             rows = [Fingerprint(*r) for r in pending.gathered.result()]
             if any(r[:3] != rows[0][:3] for r in rows):
+                entries = self._engine.taken_schedule()  # the compared span's, set aside by take_schedule
                 self._engine.reset_schedule()  # every rank raises from the same state
-                self._raise(pending.where, rows, pending.entries)
-        count, digest, faults, entries = self._engine.schedule()
-        self._engine.reset_schedule()
+                self._raise(pending.where, rows, entries)
+        count, digest, faults, logged = self._engine.take_schedule()
         if self._agree.world > 1:
-            mine = Fingerprint(count, digest, faults, len(entries))
-            self._pending = _Pending(where, entries, self._agree.start_all_gather(list(mine)))
+            mine = Fingerprint(count, digest, faults, logged)
+            self._pending = _Pending(where, self._agree.start_all_gather(list(mine)))
         self.checks += 1
 
     def _raise(self, where, rows, entries):
