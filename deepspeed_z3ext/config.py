@@ -78,11 +78,18 @@ class Z3extConfig(BaseModel):
     per sub-group and one all-reduce, stock's bits on CPU, within rounding of them on CUDA ([Note:
     gradient norm] in norm.py)."""
 
-    free_grad_partitions: StrictBool = False
-    """Free the optimizer's gradient partitions (2 bytes per parameter per rank in bf16) from the end of
-    each step to the window's first reduce-scatter, which re-allocates them zeroed ([Note: gradient
-    partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter gets a
-    gradient in each window; one that gets none steps on zeros, not on stock's stale partition."""
+    free_grad_partitions: StrictBool = True
+    """A trainable parameter that gets no gradient in an accumulation window steps on a zero gradient, as
+    in ZeRO stage 1/2, never on the partition an earlier window left (stock stage 3); on z3ext's gradient
+    path the optimizer's gradient partitions (2 bytes per parameter per rank in bf16) are also freed from
+    the end of each step to the window's first reduce-scatter, which re-allocates them zeroed ([Note:
+    gradient partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter
+    gets a gradient in each window. false: stock's partitions, kept and reused."""
+
+    conditional_blocks: StrictBool = True
+    """A mixture-of-experts block with one module per expert (a list of experts beside a router) is one
+    unit, gathered whole, so every rank gathers the same whatever its tokens' routing ([Note: conditional
+    blocks] in conditional.py); false: per-module units (ranks whose routing differs then diverge)."""
 
     schedule_check: Literal["step", "forward", "off"] = "step"
     """Ranks compare a fingerprint of their all-gathers (one tiny all-gather) at every optimizer step
@@ -238,11 +245,6 @@ def sanity_check(stock_check):
         refused = unsupported_options(self)
         if refused:
             raise Z3extConfigError(f'"{SECTION}" does not support yet: ' + "; ".join(refused))
-        if cfg.free_grad_partitions:
-            stock_path = _stock_gradient_path(self, cfg)
-            if stock_path:
-                raise Z3extConfigError(f'"{SECTION}.free_grad_partitions" needs z3ext\'s gradient path, which '
-                                       f"{stock_path} keeps on DeepSpeed's")
 
     return _do_sanity_check
 

@@ -536,8 +536,36 @@ def post_step(stock):
         reducer = reducer_of(self)
         if reducer is not None:
             reducer.free_partitions()  # [Note: gradient partitions between steps]
+        else:
+            zero_stock_partitions(self)
 
     return _post_step
+
+
+@torch.no_grad()
+def zero_stock_partitions(optimizer):
+    """DeepSpeed reduces this z3ext engine's gradients (offload, qgZ, ...): its partitions are zeroed after
+    the step, so a parameter without a gradient in the next window steps on zeros, not on this window's
+    gradient ([Note: gradient partitions between steps]). Sub-groups whose optimizer state and gradients
+    swap to NVMe keep stock's behaviour (warned once)."""
+    state = of_optimizer(optimizer)
+    if state is None or not state.config.free_grad_partitions:
+        return
+    buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    if buffer is not None and buffer.numel():
+        buffer.zero_()
+    if not getattr(optimizer, "offload_optimizer", False):
+        return
+    swapped = 0
+    for i, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+        if optimizer._swappable_optimizer_subgroup(i):
+            swapped += 1
+        elif flat.grad is not None:
+            flat.grad.zero_()
+    if swapped and not getattr(state, "_warned_swapped_grads", False):
+        state._warned_swapped_grads = True
+        log_dist(f"z3ext: {swapped} optimizer sub-group(s) swap their gradients to NVMe: a parameter without a "
+                 "gradient in a window steps there on its previous window's gradient, as in stock ZeRO-3", ranks=[0])
 
 
 def offload_states(stock):
@@ -548,6 +576,18 @@ def offload_states(stock):
         return stock(self, *args, **kwargs)
 
     return offload_states_
+
+
+def partitions_first(stock):
+    """A gradient accessor (`safe_get_full_grad`, `safe_set_local_grad`, ...) between steps reads or writes
+    zeroed partitions, not freed storage ([Note: gradient partitions between steps])."""
+    def accessor(self, *args, **kwargs):
+        reducer = reducer_of(self)
+        if reducer is not None:
+            reducer.allocate_partitions()
+        return stock(self, *args, **kwargs)
+
+    return accessor
 
 
 def prepare_step_gradient(stock):

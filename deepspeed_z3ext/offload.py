@@ -6,7 +6,7 @@ checkpoints; the coordinator behind the hooks and the per-parameter entry points
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
-from deepspeed_z3ext import hooks, swap
+from deepspeed_z3ext import conditional, hooks, swap
 from deepspeed_z3ext.config import param_dict_of, parse_section
 from deepspeed_z3ext.coordinator import Z3extCoordinator
 from deepspeed_z3ext.state import Z3extState, of_optimizer
@@ -48,7 +48,10 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         for m in module.modules():
             m.__dict__.pop("pre_bwd_fn", None)
             m.__dict__.pop("post_bwd_fn", None)
+        # Before the hooks: a mixture-of-experts block's unit is decided now ([Note: conditional blocks]).
+        blocks = conditional.mark(module) if z3ext_config.conditional_blocks else []
         super().__init__(module, timers, ds_config, *args, **kwargs)
+        conditional.warn_over_budget(blocks, self._max_available_parameters_in_numel)
         self.z3ext = Z3extState(self.module, z3ext_config, self.persistent_parameters)
         swap.attach_residency(self.z3ext.engine, self.z3ext.params)  # [Note: nvme offload]
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module

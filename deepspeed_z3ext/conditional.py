@@ -1,0 +1,126 @@
+"""Conditional blocks: mixture-of-experts blocks whose experts run as each rank's tokens decide.
+
+[Note: conditional blocks] In a block with one module per expert (an `nn.ModuleList` or `nn.ModuleDict` of
+experts next to a router: DeepSpeed's `deepspeed.moe` layer, Switch / NLLB-MoE, most research MoE code) an
+expert runs only where a token was routed to it. Per-module units would then make each rank gather the
+experts its own tokens reached: different collectives on different ranks (gloo: "Received data size doesn't
+match expected size"; NCCL: a hang), and a reduce-scatter of only the gradients that exist on that rank.
+The schedule must follow what every rank does alike, the block ran ([Note: one schedule on every rank] in
+schedule.py), so such a block is one unit, decided from the module tree before the first forward: z3ext
+marks it a DeepSpeed z3 leaf module (`deepspeed.utils.set_z3_leaf_module`), exactly what a stock user marks
+by hand. Its forward gathers all its experts in one collective; its backward's full-module hook (stock's
+`reduce_leaf_module_grads`) gives every parameter a gradient, zeros for an expert no token of this rank
+reached, so every rank reduces the same parameters. The numbers are those of stock ZeRO-3 with the block
+marked by hand (tests/test_conditional.py).
+
+A block is found structurally: a list or dict of at least two experts of one type and equal parameter
+shapes, and, within three levels above it and outside it, a router: a 2-D parameter of shape
+(experts, d) where d is a dimension of the experts' parameters (`nn.Linear(d, experts)`). The smallest
+module holding both is the block; the root never is (a model-wide leaf would gather the whole model), nor a
+module inside a z3 leaf already. Fused experts (one parameter per projection, HF Mixtral / Qwen3-MoE in
+transformers 5) need nothing: every rank runs the same modules.
+
+Memory: the block is gathered whole while it runs (and held for backward like any unit), so the live
+parameters include all its experts, not only those reached. The log names each block with its elements;
+a block over stage3_max_live_parameters is warned about. `"z3ext": {"conditional_blocks": false}` turns the
+detection off (blocks marked with `set_z3_leaf_modules` stay leaves).
+"""
+from typing import List, NamedTuple
+
+import torch.nn as nn
+from deepspeed.utils import log_dist, logger, set_z3_leaf_module, z3_leaf_module
+
+_LEVELS = 3  # how far above the experts' container a router is looked for
+
+
+class ConditionalBlock(NamedTuple):
+    name: str         # the block's qualified name in the model
+    block: nn.Module  # gathered as one unit
+    experts: int      # entries of its experts' container
+    numel: int        # elements of all its parameters (full sizes)
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _shape(p):
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _experts(container):
+    """The entries of a ModuleList / ModuleDict when they look like experts: two or more, one type, each
+    with parameters of the same shapes."""
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    entries = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+    if len(entries) < 2 or len({type(e) for e in entries}) != 1:
+        return None
+    shapes = [tuple(_shape(p) for p in e.parameters()) for e in entries]
+    if not shapes[0] or any(s != shapes[0] for s in shapes[1:]):
+        return None
+    return entries
+
+
+def _has_router(holder, container, n, dims) -> bool:
+    inside = {id(p) for p in container.parameters()}
+    for p in holder.parameters():
+        if id(p) in inside:
+            continue
+        shape = _shape(p)
+        if len(shape) == 2 and shape[0] == n and shape[1] in dims:
+            return True
+    return False
+
+
+def find(root: nn.Module) -> List[ConditionalBlock]:
+    """The conditional blocks of `root` ([Note: conditional blocks]), outermost first, none nested."""
+    names = {id(m): n for n, m in root.named_modules()}
+    parents = {id(c): m for m in root.modules() for c in m.children()}
+    found, taken = [], set()
+    for container in root.modules():
+        entries = _experts(container)
+        if entries is None:
+            continue
+        n = len(entries)
+        dims = {d for p in entries[0].parameters() for d in _shape(p)}
+        holder, level = parents.get(id(container)), 1
+        while holder is not None and level <= _LEVELS and not _has_router(holder, container, n, dims):
+            holder, level = parents.get(id(holder)), level + 1
+        if holder is None or level > _LEVELS or holder is root or id(holder) in taken:
+            continue
+        chain, up = [holder], parents.get(id(holder))
+        while up is not None:
+            chain.append(up)
+            up = parents.get(id(up))
+        if any(z3_leaf_module(m) or id(m) in taken for m in chain):
+            continue  # marked by hand, or inside a block found already
+        if any(z3_leaf_module(m) for m in holder.modules()):
+            continue  # a leaf inside: the user chose the unit
+        taken.update(id(m) for m in holder.modules())
+        found.append(ConditionalBlock(names.get(id(holder), "?"), holder, n,
+                                      sum(_numel(p) for p in holder.parameters())))
+    return found
+
+
+def mark(root: nn.Module) -> List[ConditionalBlock]:
+    """Marks each conditional block of `root` a z3 leaf module, logs them (rank 0), returns them."""
+    blocks = find(root)
+    for b in blocks:
+        set_z3_leaf_module(b.block, True)
+    if blocks:
+        shown = ", ".join(f"{b.name} ({type(b.block).__name__}, {b.experts} experts, {b.numel} elements)"
+                          for b in blocks[:3])
+        more = f" and {len(blocks) - 3} more" if len(blocks) > 3 else ""
+        log_dist(f"z3ext: {len(blocks)} mixture-of-experts block(s) gathered as one unit each, so that every rank "
+                 f"gathers the same whatever its routing: {shown}{more} ([Note: conditional blocks]; "
+                 f'"z3ext": {{"conditional_blocks": false}} turns this off)', ranks=[0])
+    return blocks
+
+
+def warn_over_budget(blocks, max_live_numel):
+    over = [b for b in blocks if b.numel > max_live_numel]
+    if over:
+        logger.warning(f"z3ext: mixture-of-experts block {over[0].name} ({over[0].numel} elements) is larger than "
+                       f"stage3_max_live_parameters ({max_live_numel}); it is gathered whole all the same "
+                       "([Note: conditional blocks])")

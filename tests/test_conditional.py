@@ -1,0 +1,305 @@
+"""Programs that do not run every module on every rank and every step (DESIGN "Invariants").
+
+- Stale gradients: a trainable parameter that gets no gradient in an accumulation window steps on a zero
+  gradient (ZeRO stage 1/2's numbers), never on an earlier window's ([Note: gradient partitions between
+  steps] in grads.py). Reference: stock ZeRO-3 where the skipped modules get a zero gradient explicitly (a
+  mixture-of-experts block marked a z3 leaf, whose backward hook gives unrouted experts zeros; or a branch
+  touched with weight 0), so stock's stale partitions are never read.
+- One module per expert, routing that differs by rank and by step, no leaf marked by hand: z3ext finds the
+  block ([Note: conditional blocks] in conditional.py) and trains bitwise equal to stock ZeRO-3 with the
+  block marked by hand (`deepspeed.utils.set_z3_leaf_modules`), fp32 and bf16, 2 and 4 ranks; greedy
+  decoding afterwards gives the same tokens. Without the block (stock, or z3ext with the detection off) the
+  ranks gather different experts: a size mismatch fails gloo, experts of one shape exchange wrong data.
+- DeepSpeed's own MoE layer (`deepspeed.moe.layer.MoE`): DeepSpeed 0.19.8 refuses it under ZeRO-3, and so
+  does z3ext, with the same error.
+Every case runs on real gloo ranks under a hard timeout.
+"""
+import pytest
+
+from tests.harness import run_on_ranks
+
+HIDDEN, VOCAB, EXPERTS, SEQ = 16, 32, 4, 8
+TIMEOUT = 300
+
+
+def _model(deepspeed_moe=False):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Expert(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x)))
+
+    class MoeBlock(nn.Module):
+        """Top-1 routing, one module per expert; `allowed` (set by the test) masks experts out."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+            self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+            self.allowed = None
+            self.reached = []  # the experts this rank's tokens reached, per forward
+
+        def forward(self, x):
+            flat = x.reshape(-1, HIDDEN)
+            logits = self.gate(flat)
+            if self.allowed is not None:
+                mask = torch.full((EXPERTS, ), float("-inf"), dtype=logits.dtype)
+                mask[list(self.allowed)] = 0
+                logits = logits + mask
+            weight, pick = torch.softmax(logits, -1).max(-1)
+            out = torch.zeros_like(flat)
+            reached = []
+            for e, expert in enumerate(self.experts):
+                rows = (pick == e).nonzero().flatten()
+                if rows.numel():
+                    reached.append(e)
+                    out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
+            self.reached.append(tuple(reached))
+            return x + out.view_as(x)
+
+    class DsMoe(nn.Module):
+        """DeepSpeed's MoE layer (top-1, one expert-parallel rank) with a residual."""
+
+        def __init__(self):
+            super().__init__()
+            from deepspeed.moe.layer import MoE
+            self.moe = MoE(HIDDEN, expert=Expert(), num_experts=EXPERTS, ep_size=1, k=1, min_capacity=SEQ * 4,
+                           capacity_factor=float(EXPERTS), drop_tokens=False, use_rts=False)
+            self.reached = []
+
+        def forward(self, x):
+            out, _, _ = self.moe(x)
+            return x + out
+
+    class Layer(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(HIDDEN)
+            self.mix = nn.Linear(HIDDEN, HIDDEN)
+            self.moe = DsMoe() if deepspeed_moe else MoeBlock()
+
+        def forward(self, x):
+            x = x + torch.tanh(self.mix(self.ln(x)))
+            return self.moe(x)
+
+    class MoeLM(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+            self.aux = nn.Linear(HIDDEN, 1)  # a branch some micro-steps skip (self.use_aux)
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+            self.use_aux = True
+            self.touch_aux = False  # the reference: the skipped branch gets a zero gradient explicitly
+
+        def hidden(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+        def forward(self, tokens):
+            x = self.hidden(tokens)
+            loss = F.cross_entropy(self.head(x).flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+            if self.use_aux:
+                loss = loss + self.aux(x).float().pow(2).mean()
+            elif self.touch_aux:
+                loss = loss + 0.0 * self.aux(x).float().sum()
+            return loss
+
+        def logits(self, tokens):
+            return self.head(self.hidden(tokens))
+
+    return MoeLM()
+
+
+def _engine(z3ext, leaf, dtype="fp32", ga=1, options=None, deepspeed_moe=False):
+    import torch
+    import deepspeed
+    import deepspeed_z3ext  # noqa: F401
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if z3ext:
+        cfg["z3ext"] = {"enabled": True, **(options or {})}
+    torch.manual_seed(5)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _model(deepspeed_moe)
+    if leaf:
+        kind = type(model.layers[0].moe.moe.deepspeed_moe) if deepspeed_moe else type(model.layers[0].moe)
+        deepspeed.utils.set_z3_leaf_modules(model, [kind])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _tokens(i, rank, same_on_every_rank):
+    import torch
+    g = torch.Generator().manual_seed(100 * i + (0 if same_on_every_rank else rank))
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g)
+
+
+def _blocks(engine):
+    return [m for m in engine.module.modules() if getattr(m, "_z3_leaf", False)]
+
+
+def _result(engine, losses):
+    from tests.models import full_params
+    return dict(losses=losses, params=full_params(engine),
+                reached=[tuple(m.reached) for m in engine.module.modules() if hasattr(m, "reached")],
+                leaves=[type(m).__name__ for m in _blocks(engine)])
+
+
+def _compare(results):
+    import torch
+    stock, z3 = results["stock"], results["z3ext"]
+    return dict(losses=(stock["losses"], z3["losses"]), z3_leaves=z3["leaves"], reached=z3["reached"],
+                mismatched=[n for n in stock["params"] if not torch.equal(stock["params"][n], z3["params"][n])],
+                tokens=(stock.get("tokens"), z3.get("tokens")))
+
+
+# -- stale gradients ----------------------------------------------------------------------------------
+def stale_experts(conditional_blocks):
+    """Identical data on every rank; step 0 lets every expert take tokens, later steps only experts 0 and 1."""
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        engine = _engine(name == "z3ext", leaf=name == "stock", options={"conditional_blocks": conditional_blocks})
+        losses = []
+        for step in range(4):
+            for layer in engine.module.layers:
+                layer.moe.allowed = None if step == 0 else (0, 1)
+            loss = engine(_tokens(step, rank, True))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = _result(engine, losses)
+        engine.destroy()
+    return _compare(out)
+
+
+@pytest.mark.parametrize("conditional_blocks", [True, False], ids=["block", "per-module"])
+def test_experts_without_tokens_step_on_zero_gradients(conditional_blocks):
+    for rank, r in enumerate(run_on_ranks(stale_experts, timeout=TIMEOUT, conditional_blocks=conditional_blocks)):
+        assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with the block as a leaf"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+        assert bool(r["z3_leaves"]) == conditional_blocks, r["z3_leaves"]
+        later = [reached for layer in r["reached"] for reached in layer[1:]]
+        assert later and all(set(x) <= {0, 1} for x in later), later
+
+
+def skipped_branch():
+    """ga 2; the aux branch runs in both micro-steps of step 0, then only in the second micro-step of each
+    step: its first micro-step gets no gradient (stock then adds the second to the previous window's)."""
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        engine = _engine(name == "z3ext", leaf=True, ga=2)
+        engine.module.touch_aux = name == "stock"
+        losses = []
+        for step in range(4):
+            for micro in range(2):
+                engine.module.use_aux = step == 0 or micro == 1
+                loss = engine(_tokens(2 * step + micro, rank, False))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        out[name] = _result(engine, losses)
+        engine.destroy()
+    return _compare(out)
+
+
+def test_a_branch_skipped_in_one_micro_step_gets_no_stale_gradient():
+    for rank, r in enumerate(run_on_ranks(skipped_branch, timeout=TIMEOUT)):
+        assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with a zero gradient"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+
+
+# -- one module per expert, routing by rank ---------------------------------------------------------
+def routed_by_rank(dtype, deepspeed_moe=False, steps=3, new_tokens=4):
+    import torch
+    import torch.distributed as dist
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        engine = _engine(name == "z3ext", leaf=name == "stock", dtype=dtype, deepspeed_moe=deepspeed_moe)
+        losses = []
+        for step in range(steps):
+            loss = engine(_tokens(step, rank, False))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.eval()
+        tokens = _tokens(99, rank, False)[:1, :4]
+        with torch.no_grad():
+            for _ in range(new_tokens):  # greedy decoding, a no_grad forward per token
+                nxt = engine.module.logits(tokens)[:, -1].float().argmax(-1, keepdim=True)
+                tokens = torch.cat([tokens, nxt], 1)
+        out[name] = _result(engine, losses)
+        out[name]["tokens"] = tokens.tolist()
+        if name == "z3ext":
+            import deepspeed_z3ext
+            out[name]["collectives"] = deepspeed_z3ext.stats(engine).collectives
+        engine.destroy()
+    r = _compare(out)
+    r["collectives"] = out["z3ext"]["collectives"]
+    return r
+
+
+def _check_routed(results, deepspeed_moe=False):
+    for rank, r in enumerate(results):
+        assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with the block as a leaf"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+        assert r["tokens"][0] == r["tokens"][1], f"rank {rank}: decoded tokens differ"
+        assert r["z3_leaves"], "z3ext did not find the mixture-of-experts blocks"
+    assert len({r["collectives"] for r in results}) == 1, [r["collectives"] for r in results]
+    if not deepspeed_moe:  # the ranks' tokens reached different experts in some forward
+        assert len({str(r["reached"]) for r in results}) > 1, "routing did not differ by rank: the test shows nothing"
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "fp32"), (2, "bf16"), (4, "fp32"), (4, "bf16")])
+def test_per_expert_moe_routed_by_rank_equals_stock_with_a_leaf(world, dtype):
+    _check_routed(run_on_ranks(routed_by_rank, world_size=world, timeout=TIMEOUT * world // 2, dtype=dtype))
+
+
+def deepspeed_moe_at_initialize(z3ext):
+    from deepspeed_z3ext import conditional
+    found = [(b.name, type(b.block).__name__, b.experts) for b in conditional.find(_model(deepspeed_moe=True))]
+    try:
+        _engine(z3ext, leaf=False, deepspeed_moe=True)
+    except AssertionError as e:
+        return found, str(e)
+    return found, None
+
+
+def test_deepspeed_moe_layer_is_refused_as_stock_refuses_it():
+    """DeepSpeed 0.19.8 refuses its own MoE layer under ZeRO-3 (`_validate_zero3_moe_compatibility`: "Use
+    AutoEP"): z3ext raises the same at initialize; its detection finds the layer's block (MOELayer: the gate's
+    (experts, d) weight beside `Experts.deepspeed_experts`) for a DeepSpeed that allows it."""
+    for z3ext in (False, True):
+        for found, message in run_on_ranks(deepspeed_moe_at_initialize, timeout=TIMEOUT, z3ext=z3ext):
+            assert message and "not supported with ZeRO Stage 3" in message, (z3ext, message)
+            assert found == [(f"layers.{i}.moe.moe.deepspeed_moe", "MOELayer", EXPERTS) for i in range(2)], found
+
+
+def test_detection_finds_expert_blocks_only():
+    import torch.nn as nn
+    from deepspeed_z3ext import conditional
+    from tests.models import TinyGPT
+    model = _model()
+    found = conditional.find(model)
+    assert [b.name for b in found] == ["layers.0.moe", "layers.1.moe"], found
+    assert all(b.experts == EXPERTS for b in found)
+    assert conditional.find(TinyGPT(layers=16, seq=16)) == []  # layers beside a (16, 32) position table: no router
+    stack = nn.Sequential(nn.Linear(4, 2), nn.ModuleList(nn.Linear(4, 4) for _ in range(2)))
+    assert conditional.find(stack) == []  # the root is never a block
