@@ -1,4 +1,4 @@
-"""Conditional blocks: mixture-of-experts blocks whose experts run as each rank's tokens decide.
+"""Conditional blocks and modules: parts of a model that run on some ranks or steps and not others.
 
 [Note: conditional blocks] In a block with one module per expert (an `nn.ModuleList` or `nn.ModuleDict` of
 experts next to a router: DeepSpeed's `deepspeed.moe` layer, Switch / NLLB-MoE, most research MoE code) an
@@ -24,11 +24,27 @@ Memory: the block is gathered whole while it runs (and held for backward like an
 parameters include all its experts, not only those reached. The log names each block with its elements;
 a block over stage3_max_live_parameters is warned about. `"z3ext": {"conditional_blocks": false}` turns the
 detection off (blocks marked with `set_z3_leaf_modules` stay leaves).
+
+[Note: conditional modules] A submodule that some ranks run and others skip in a step (a vision tower on
+text-only batches, an auxiliary head used on some batches) cannot be found from the tree, and no block
+around it but its parent runs on every rank. Named in `"z3ext": {"conditional_modules": [...]}` (a qualified
+module name, or a class name for every module of that class), such a module C has no hooks of its own: its
+parameters join its parent's unit, gathered when the parent's forward starts on every rank whether C runs or
+not, released or held for backward with it (the parent: the nearest module above C that is no ModuleList or
+ModuleDict, which never run). Its parameters get no per-parameter gradient hook either: at
+the end of each backward (DeepSpeed's epilogue, which every rank reaches) every trainable parameter of C is
+reduced in ds_id order, with its gradient where C ran and zeros where it did not. Every rank thus issues
+the same collectives, and C's gradient is the sum over the ranks that ran it, as with a dummy input that
+adds 0 times C's output to the loss on the others (stock's way, tests/test_conditional.py). It costs C's
+gather in every forward of the parent, and C's memory for that whole forward. C must run inside its
+parent's forward (the parent's unit is gathered only then).
 """
 from typing import List, NamedTuple
 
 import torch.nn as nn
 from deepspeed.utils import log_dist, logger, set_z3_leaf_module, z3_leaf_module
+
+from deepspeed_z3ext.errors import Z3extConfigError
 
 _LEVELS = 3  # how far above the experts' container a router is looked for
 
@@ -124,3 +140,62 @@ def warn_over_budget(blocks, max_live_numel):
         logger.warning(f"z3ext: mixture-of-experts block {over[0].name} ({over[0].numel} elements) is larger than "
                        f"stage3_max_live_parameters ({max_live_numel}); it is gathered whole all the same "
                        "([Note: conditional blocks])")
+
+
+CONDITIONAL_ATTR = "_z3ext_conditional"            # on a conditional module ([Note: conditional modules])
+CHILDREN_ATTR = "_z3ext_conditional_children"      # on its parent: the conditional modules it gathers
+
+
+def mark_modules(root: nn.Module, entries) -> List[nn.Module]:
+    """Marks the modules `entries` names ([Note: conditional modules]); returns their parameters. Raises
+    `Z3extConfigError` naming an entry that matches no module, or the root."""
+    if not entries:
+        return []
+    named = list(root.named_modules())
+    parents = {id(c): m for m in root.modules() for c in m.children()}
+    chosen, seen = [], set()
+    for entry in entries:
+        hits = [(n, m) for n, m in named if n == entry or type(m).__name__ == entry]
+        if not hits:
+            import difflib
+            near = difflib.get_close_matches(entry, [n for n, _ in named if n] + sorted({type(m).__name__ for _, m in named}),
+                                             n=3)
+            hint = f"; did you mean {', '.join(repr(x) for x in near)}?" if near else ""
+            raise Z3extConfigError(f'"z3ext.conditional_modules": {entry!r} is neither a module name nor a module '
+                                   f"class of this model{hint}")
+        for n, m in hits:
+            if m is root:
+                raise Z3extConfigError(f'"z3ext.conditional_modules": {entry!r} is the model itself; name the '
+                                       "submodule that some ranks or steps skip")
+            if id(m) not in seen:
+                seen.add(id(m))
+                chosen.append(m)
+    ids = {id(m) for m in chosen}
+    params = []
+    for m in chosen:
+        up, inside = parents.get(id(m)), False
+        while up is not None:  # inside another conditional module or a z3 leaf: that one is the unit
+            if id(up) in ids or z3_leaf_module(up):
+                inside = True
+            up = parents.get(id(up))
+        if inside:
+            continue
+        setattr(m, CONDITIONAL_ATTR, True)
+        parent = parents[id(m)]
+        while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and id(parent) in parents:
+            parent = parents[id(parent)]  # a container never runs a forward of its own
+        children = parent.__dict__.setdefault(CHILDREN_ATTR, [])
+        if all(c is not m for c in children):
+            children.append(m)
+        params.extend(m.parameters())
+    return sorted({id(p): p for p in params}.values(), key=lambda p: p.ds_id)
+
+
+def conditional_params(module):
+    """The parameters of `module`'s conditional children, which its unit gathers ([Note: conditional modules])."""
+    children = module.__dict__.get(CHILDREN_ATTR)
+    return [p for c in children for p in c.parameters()] if children else []
+
+
+def is_conditional(module) -> bool:
+    return module.__dict__.get(CONDITIONAL_ATTR, False)

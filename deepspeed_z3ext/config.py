@@ -11,9 +11,9 @@ own constructor argument (so `"strict": 1` vanished), and validates laxly (`"yes
 Trainer fills `"auto"` only in DeepSpeed keys it knows, so nothing would ever decide a z3ext one.
 """
 import os
-from typing import Any, Literal, Optional
+from typing import Any, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from deepspeed_z3ext.errors import Z3extConfigError
 
@@ -85,6 +85,11 @@ class Z3extConfig(BaseModel):
     the end of each step to the window's first reduce-scatter, which re-allocates them zeroed ([Note:
     gradient partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter
     gets a gradient in each window. false: stock's partitions, kept and reused."""
+
+    conditional_modules: List[StrictStr] = Field(default_factory=list)
+    """Submodules that some ranks or steps skip (module names, or class names), each gathered with its parent and
+    its gradients reduced at the end of every backward, zeros where it did not run ([Note: conditional modules]
+    in conditional.py)."""
 
     conditional_blocks: StrictBool = True
     """A mixture-of-experts block with one module per expert (a list of experts beside a router) is one

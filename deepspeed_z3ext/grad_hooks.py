@@ -17,13 +17,19 @@ The leaf-module hooks (`reduce_leaf_module_grads`) stay stock's. Parameters a z3
 (and engines whose gradients take DeepSpeed's path) note through `reduce_independent_p_g_buckets_and_remove_grads`
 as before.
 """
+import collections
+
 from deepspeed.runtime.zero import stage3
+from torch.utils.hooks import RemovableHandle
 from deepspeed.utils import z3_leaf_parameter
 
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.errors import Z3extError
 from deepspeed_z3ext.grads import reducer_of
 from deepspeed_z3ext.state import of_optimizer
+
+
+_NO_HOOKS = collections.OrderedDict()  # what a conditional parameter's placeholder handle removes from
 
 
 def _hooked_params(optimizer):
@@ -68,9 +74,14 @@ def create_hooks(stock):
                              "non-leaf parameters; this DeepSpeed version hooks differently "
                              "(see deepspeed_private.TESTED_VERSIONS)")
         leaf_modules = len(self.leaf_parameters)
+        skipped = {id(p) for p in state.conditional_params}  # reduced at the epilogue ([Note: conditional modules])
+        counted = [p for p in params if id(p) not in skipped]
         for i, param in enumerate(params):
             handles[i].remove()
+            if id(param) in skipped:
+                handles[i] = RemovableHandle(_NO_HOOKS)
+                continue
             handles[i] = param.register_post_accumulate_grad_hook(
-                _lean_hook(self, state, param, params, leaf_modules))
+                _lean_hook(self, state, param, counted, leaf_modules))
 
     return create_reduce_and_remove_grad_hooks

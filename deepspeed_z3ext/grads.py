@@ -192,6 +192,7 @@ class GradReducer:
         self._pass_task = None  # its autograd graph task
         self._pass_accumulated = 0  # partitions it added to (gradient accumulation)
         self._free_partitions = state.config.free_grad_partitions  # [Note: gradient partitions between steps]
+        self._conditional = state.conditional_params  # [Note: conditional modules] in conditional.py
         self._freed = None  # (the buffer's data_ptr, its bytes) while freed
         self._n_freed = 0
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
@@ -343,6 +344,8 @@ class GradReducer:
 
     def abandon_pass(self):
         """An outermost forward starts outside backward ([Note: failed pass])."""
+        for p in self._conditional:  # gradients of a pass whose epilogue never ran ([Note: conditional modules])
+            p.grad = None
         if not self._pass_open:
             return
         optimizer = self._optimizer()
@@ -512,6 +515,9 @@ def note_gradient(stock):
 
 def epilogue(stock):
     def independent_gradient_partition_epilogue(self):
+        state = of_optimizer(self)
+        if state is not None and state.conditional_params and not self._coalesce_grad_reduction:
+            note_conditional(self, state)
         reducer = reducer_of(self)
         if reducer is not None:
             reducer.flush()
@@ -528,6 +534,29 @@ def pre_step(stock):
         return stock(self)
 
     return _pre_step
+
+
+@torch.no_grad()
+def note_conditional(optimizer, state):
+    """Every rank's backward ends here: each trainable parameter of the conditional modules is reduced, its
+    gradient where its module ran, zeros where it did not ([Note: conditional modules] in conditional.py)."""
+    reducer = reducer_of(optimizer)
+    for p in state.conditional_params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            # Released here (its data is DeepSpeed's empty placeholder), and autograd refuses a gradient of
+            # another shape than the data: the zeros are set while they stand in as its data, which then
+            # goes back to the placeholder (same storage object: z3ext's handle re-fills that one).
+            zeros = torch.zeros(tuple(p.ds_shape), dtype=p.dtype, device=p.device)
+            placeholder = p.data
+            p.data = zeros
+            p.grad = zeros
+            p.data = placeholder
+        if reducer is not None:
+            reducer.note(p)
+        else:
+            optimizer.reduce_independent_p_g_buckets_and_remove_grads(p)
 
 
 def post_step(stock):

@@ -26,6 +26,7 @@ from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
+from deepspeed_z3ext.conditional import is_conditional
 from deepspeed_z3ext.epoch import TREE
 from deepspeed_z3ext.graphs import tensors_in as _tensors
 from deepspeed_z3ext.state import of_param
@@ -135,6 +136,8 @@ def register(offload, module):
                 p.ds_z3_leaf_module = m
         else:
             for child in m.children():
+                if is_conditional(child):
+                    continue  # gathered with `m`, no hooks of its own ([Note: conditional modules])
                 counter[0] += 1
                 visit(child)
         offload.forward_hooks.append(m.register_forward_pre_hook(_pre_forward))

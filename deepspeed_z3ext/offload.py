@@ -50,9 +50,11 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("post_bwd_fn", None)
         # Before the hooks: a mixture-of-experts block's unit is decided now ([Note: conditional blocks]).
         blocks = conditional.mark(module) if z3ext_config.conditional_blocks else []
+        skipped = conditional.mark_modules(module, z3ext_config.conditional_modules)  # [Note: conditional modules]
         super().__init__(module, timers, ds_config, *args, **kwargs)
         conditional.warn_over_budget(blocks, self._max_available_parameters_in_numel)
         self.z3ext = Z3extState(self.module, z3ext_config, self.persistent_parameters)
+        self.z3ext.conditional_params = skipped
         swap.attach_residency(self.z3ext.engine, self.z3ext.params)  # [Note: nvme offload]
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
         # and fetch it again for backward: z3ext honours it by not holding for backward.

@@ -26,6 +26,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
 from deepspeed_z3ext import claims, comms, schedule
+from deepspeed_z3ext.conditional import conditional_params
 from deepspeed_z3ext.epoch import TREE, watch_module_registrations
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext._ops import ops
@@ -97,6 +98,7 @@ class Z3extState:
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
         self.grad_reducer = None  # grads.GradReducer at the first gradient, False: DeepSpeed's path
+        self.conditional_params = []  # reduced at each backward's end ([Note: conditional modules])
         self.params = []
         names = {id(p): n for n, p in module.named_parameters()}
         for p in module.parameters():
@@ -182,7 +184,7 @@ class Z3extState:
         if cached is not None and cached[0] == key:
             self._units[id(module)] = (key, cached[1], own, epoch)
             return cached[1]
-        params = list(iter_params(module, recurse=z3_leaf_module(module)))
+        params = list(iter_params(module, recurse=z3_leaf_module(module))) + conditional_params(module)
         for p in params:
             if hasattr(p, "ds_id") and getattr(p, STATE_ATTR, None) is None:
                 self._adopt(p, next((n for n, q in self.module.named_parameters() if q is p), f"<ds_id {p.ds_id}>"))

@@ -6,6 +6,10 @@ of it (`nn.Linear`, whose autograd saves `weight.t()`), an embedding whose weigh
 or not, a LoRA-style layer whose base is frozen from the start, a layer applied twice, a checkpointed segment
 (reentrant or not); a config (gradient accumulation, clipping that triggers or never does, bucket size,
 hold on/off, live budget, prefetch window, persistence threshold, DeepSpeed's memory-efficient linear, bf16);
+non-uniform parts from a third stream (`nonuniform_rng(seed)`): a mixture-of-experts block with one module per
+expert (top-1 routing: the experts run differ by rank and step; stock runs it as a z3 leaf marked by hand),
+and a layer that only some micro-steps run, on every rank alike or on some ranks only (z3ext names it in
+`conditional_modules`; stock runs it with weight 0 where it is skipped, a dummy pass);
 and a schedule of optimizer steps with events between them: freeze parameters, unfreeze them, a `no_grad`
 evaluation forward, a grad-enabled forward whose graph is dropped, and a backward that raises part-way
 and is retried.
@@ -21,6 +25,10 @@ after the k-th following micro-step's `engine.step()` (mid-accumulation when ga 
 micro-step comes after the final parameters are read. The collector is disabled while a program runs, so
 collections happen where the program says. Stock runs the same program (nothing changes in its numbers);
 the forwards' values are compared too.
+
+A trainable parameter that gets no gradient in a window (frozen mid-training, a skipped layer, an expert no
+token reached) steps on a zero gradient on z3ext (ZeRO stage 1/2's numbers); stock steps on the partition an
+earlier window left, so stock's gradient partitions are zeroed after each optimizer step: the reference.
 
 `run(program)` trains it on the current process group and returns its losses and final parameters.
 A backward that raises is z3ext's alone: stock ZeRO-3 cannot retry one (its bucket would hold the
@@ -50,6 +58,12 @@ def lifetimes_rng(seed):
     return random.Random(f"lifetimes {seed}")
 
 
+def nonuniform_rng(seed):
+    """The stream the non-uniform parts are drawn from (an MoE block whose routing differs by rank and step,
+    a layer some micro-steps skip), apart from the others so every seed's other draws stay as they were."""
+    return random.Random(f"nonuniform {seed}")
+
+
 class Event(NamedTuple):
     before_step: int   # runs before this optimizer step's first micro-step
     kind: str          # freeze | unfreeze | eval | dropped | fail | kept0 | evalkept0 | cycle1
@@ -73,12 +87,15 @@ class Program(NamedTuple):
     mel: bool
     bf16: bool
     events: Tuple[Event, ...]
+    moe: Optional[int] = None  # a mixture-of-experts block (one module per expert, top-1) after this layer
+    sometimes: Optional[Tuple[int, int, bool]] = None  # (layer, period, per rank): that layer runs only when
+    # (micro-step + (rank if per rank else 0)) % period == 0
 
     def describe(self):
         return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
                 f"ga={self.ga} steps={self.steps} clip={self.clip} bucket={self.bucket} hold={self.hold} "
                 f"live={self.live} prefetch={self.prefetch} persistence={self.persistence} mel={self.mel} "
-                f"bf16={self.bf16} events={[tuple(e) for e in self.events]}")
+                f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes}")
 
 
 def draw(seed) -> Program:
@@ -108,7 +125,18 @@ def draw(seed) -> Program:
             if lifetimes.random() < p:
                 events.append(Event(s, kind, lifetimes.randrange(1, 2 * steps + 2)))
     events.sort(key=lambda e: e.before_step)  # stable: within a step, the old kinds run first
-    return Program(
+    nonuniform = nonuniform_rng(seed)
+    moe = nonuniform.randrange(n) if nonuniform.random() < 0.3 else None
+    sometimes = None
+    if nonuniform.random() < 0.25:
+        # per rank: ranks skip it at different micro-steps (z3ext declares it a conditional module; stock gives
+        # it a dummy pass that counts 0 times), never with a fail event (a fault on some ranks only)
+        layer, period = nonuniform.randrange(n), nonuniform.choice((2, 3))
+        distinct = _order(layers)[layer]  # fail events index the distinct layers
+        per_rank = nonuniform.random() < 0.6 and not any(e.kind == "fail" and e.arg % (max(_order(layers)) + 1) == distinct
+                                                          for e in events)
+        sometimes = (layer, period, per_rank)
+    return Program(moe=moe, sometimes=sometimes,
         seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
         hold=r.random() < 0.7, live=r.choice((None, None, 100, 400)), prefetch=r.choice((None, 0, 200)),
@@ -131,7 +159,21 @@ def config(program, z3ext):
         cfg["bf16"] = {"enabled": True}
     if z3ext:
         cfg["z3ext"] = {"enabled": True, "hold_for_backward": program.hold}
+        if program.sometimes is not None and program.sometimes[2]:
+            cfg["z3ext"]["conditional_modules"] = ["layers." + str(_order(program.layers)[program.sometimes[0]])]
     return cfg
+
+
+def _order(layers):
+    """The index in `layers` (the ModuleList of distinct layers) of each position's layer ("repeat" reuses)."""
+    order, distinct = [], -1
+    for i, kind in enumerate(layers):
+        if kind == "repeat" and i > 0:
+            order.append(order[-1])
+        else:
+            distinct += 1
+            order.append(distinct)
+    return order
 
 
 def _model(program):
@@ -199,6 +241,33 @@ def _model(program):
         def forward(self, x):
             return self.arm(torch.tanh(self.base(x) + x @ self.lora_a @ self.lora_b))
 
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            return self.down(torch.tanh(self.up(x)))
+
+    class Moe(nn.Module):
+        """Top-1 routing over one module per expert: which experts run differs by rank and step."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(HIDDEN, 3, bias=False)
+            self.experts = nn.ModuleList(Expert() for _ in range(3))
+
+        def forward(self, x):
+            flat = x.reshape(-1, HIDDEN)
+            weight, pick = torch.softmax(self.gate(flat), -1).max(-1)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                rows = (pick == e).nonzero().flatten()
+                if rows.numel():
+                    out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
+            return x + out.view_as(x)
+
     kinds = {"linear": Linear, "addmm": Addmm, "bmm": Bmm, "conv": Conv, "lora": Lora}
 
     class Net(nn.Module):
@@ -214,6 +283,24 @@ def _model(program):
             self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
             if program.tied:
                 self.head.weight = self.embed.weight
+            self.moe = Moe() if program.moe is not None else None
+            self.micro = 0  # set by the loop: which micro-step runs ("sometimes")
+            self.rank = 0
+            self.dummy = False  # stock, per rank: a skipped layer runs with weight 0 instead
+            self.sometimes_layer = (self.order[program.sometimes[0] % len(self.order)]
+                                    if program.sometimes is not None else None)
+
+        def layer(self, i, x):
+            if program.sometimes is not None and self.order[i] == self.sometimes_layer:
+                layer, period, per_rank = program.sometimes
+                if (self.micro + (self.rank if per_rank else 0)) % period != 0:
+                    if self.dummy:  # stock's way: the layer runs and counts 0 times
+                        return x + 0.0 * self.layers[self.order[i]](x)
+                    return x  # skipped at this micro-step
+            x = self.layers[self.order[i]](x)
+            if self.moe is not None and i == program.moe % len(self.order):
+                x = self.moe(x)
+            return x
 
         def forward(self, tokens):
             x = self.embed(tokens)
@@ -221,16 +308,15 @@ def _model(program):
             i = 0
             while i < len(self.order):
                 if seg is not None and i == seg[0]:
-                    run = [self.layers[j] for j in self.order[seg[0]:seg[1]]]
 
-                    def segment(h, run=run):
-                        for m in run:
-                            h = m(h)
+                    def segment(h, first=seg[0], last=seg[1]):
+                        for j in range(first, last):
+                            h = self.layer(j, h)
                         return h
                     x = checkpoint(segment, x, use_reentrant=seg[2])
                     i = seg[1]
                     continue
-                x = self.layers[self.order[i]](x)
+                x = self.layer(i, x)
                 i += 1
             logits = self.head(x)
             return F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, dims=1).flatten())
@@ -275,6 +361,11 @@ def _run(program, z3ext, rank, cfg):
     torch.manual_seed(program.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = _model(program)()
+    model.rank = rank
+    model.dummy = not z3ext and program.sometimes is not None and program.sometimes[2]
+    if model.moe is not None and not z3ext:
+        # Stock's way to train it: the block marked by hand (z3ext finds it: [Note: conditional blocks]).
+        deepspeed.utils.set_z3_leaf_modules(model, [type(model.moe)])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if z3ext:
         deepspeed_z3ext.stats(engine)  # raises unless z3ext owns this engine
@@ -320,11 +411,16 @@ def _run(program, z3ext, rank, cfg):
                         failed += 1
                     finally:
                         layer.armed = False
+                engine.module.micro = i
                 loss = engine(_tokens(i, rank))
                 engine.backward(loss)
                 if z3ext and micro == program.ga - 1:
                     check_gradient_runs(engine.optimizer)
                 engine.step()
+                if not z3ext and micro == program.ga - 1:
+                    # The reference for a parameter without a gradient in a window (frozen, skipped, an expert
+                    # no token reached): a zero gradient, as ZeRO stage 1/2 give it, not stock's stale partition.
+                    engine.optimizer.grad_partitions_flat_buffer.zero_()
                 losses.append(loss.item())
                 i += 1
                 for entry in pending:

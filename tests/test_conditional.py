@@ -123,13 +123,13 @@ def _model(deepspeed_moe=False):
     return MoeLM()
 
 
-def _engine(z3ext, leaf, dtype="fp32", ga=1, options=None, deepspeed_moe=False):
+def _engine(z3ext, leaf, dtype="fp32", ga=1, options=None, deepspeed_moe=False, zero=None):
     import torch
     import deepspeed
     import deepspeed_z3ext  # noqa: F401
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **(zero or {})}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if z3ext:
@@ -199,13 +199,17 @@ def test_experts_without_tokens_step_on_zero_gradients(conditional_blocks):
         assert later and all(set(x) <= {0, 1} for x in later), later
 
 
-def skipped_branch():
+def skipped_branch(path):
     """ga 2; the aux branch runs in both micro-steps of step 0, then only in the second micro-step of each
-    step: its first micro-step gets no gradient (stock then adds the second to the previous window's)."""
+    step: its first micro-step gets no gradient (stock then adds the second to the previous window's).
+    `path`: "z3ext" (z3ext reduces gradients), "deepspeed" (`reduce_gradients: false`) or "offload"
+    (`offload_optimizer`: DeepSpeed reduces, into the CPU optimizer's gradients)."""
     import torch.distributed as dist
     rank, out = dist.get_rank(), {}
+    options = {"reduce_gradients": False} if path == "deepspeed" else {}
+    zero = {"offload_optimizer": {"device": "cpu"}} if path == "offload" else {}
     for name in ("stock", "z3ext"):
-        engine = _engine(name == "z3ext", leaf=True, ga=2)
+        engine = _engine(name == "z3ext", leaf=True, ga=2, options=options, zero=zero)
         engine.module.touch_aux = name == "stock"
         losses = []
         for step in range(4):
@@ -220,8 +224,9 @@ def skipped_branch():
     return _compare(out)
 
 
-def test_a_branch_skipped_in_one_micro_step_gets_no_stale_gradient():
-    for rank, r in enumerate(run_on_ranks(skipped_branch, timeout=TIMEOUT)):
+@pytest.mark.parametrize("path", ["z3ext", "deepspeed", "offload"])
+def test_a_branch_skipped_in_one_micro_step_gets_no_stale_gradient(path):
+    for rank, r in enumerate(run_on_ranks(skipped_branch, timeout=TIMEOUT, path=path)):
         assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with a zero gradient"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
 
@@ -303,3 +308,111 @@ def test_detection_finds_expert_blocks_only():
     assert conditional.find(TinyGPT(layers=16, seq=16)) == []  # layers beside a (16, 32) position table: no router
     stack = nn.Sequential(nn.Linear(4, 2), nn.ModuleList(nn.Linear(4, 4) for _ in range(2)))
     assert conditional.find(stack) == []  # the root is never a block
+
+
+# -- a module some ranks skip ([Note: conditional modules]) ------------------------------------------
+def _multimodal():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Tower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(HIDDEN, 2 * HIDDEN)
+            self.fc2 = nn.Linear(2 * HIDDEN, HIDDEN)
+
+        def forward(self, image):
+            return self.fc2(F.gelu(self.fc1(image)))
+
+    class Multimodal(nn.Module):
+        """A text model with a vision tower that batches without an image skip ("skip"); stock's way is a
+        dummy input whose output counts 0 times ("dummy")."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.tower = Tower()
+            self.mix = nn.Linear(HIDDEN, HIDDEN)
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+        def forward(self, tokens, image, mode):
+            x = self.embed(tokens)
+            if mode == "run":
+                x = x + self.tower(image).unsqueeze(1)
+            elif mode == "dummy":
+                x = x + 0.0 * self.tower(image).unsqueeze(1)
+            logits = self.head(torch.tanh(self.mix(x)))
+            return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+
+    return Multimodal()
+
+
+# (step, micro) -> the ranks that run the tower; the others skip it (z3ext) or feed it a dummy (stock)
+TOWER_RUNS = [[{0}, {0, 1}], [{1}, set()], [set(), set()], [{0, 1, 2, 3}, {2}]]
+
+
+def skipped_by_some_ranks(dtype):
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    import deepspeed_z3ext
+    from tests.models import full_params
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        if name == "z3ext":
+            cfg["z3ext"] = {"enabled": True, "conditional_modules": ["tower"]}
+        torch.manual_seed(11)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = _multimodal()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses, counts = [], []
+        for step, micros in enumerate(TOWER_RUNS):
+            for micro, runs in enumerate(micros):
+                i = 2 * step + micro
+                g = torch.Generator().manual_seed(1000 * i + rank)
+                tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+                image = torch.randn(2, HIDDEN, generator=g)
+                if dtype == "bf16":
+                    image = image.bfloat16()
+                mode = "run" if rank in runs else ("dummy" if name == "stock" else "skip")
+                loss = engine(tokens, image, mode)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                if name == "z3ext":
+                    counts.append(deepspeed_z3ext.stats(engine).collectives)
+        out[name] = dict(losses=losses, params=full_params(engine), counts=counts)
+        engine.destroy()
+    stock, z3 = out["stock"], out["z3ext"]
+    return dict(losses=(stock["losses"], z3["losses"]), counts=z3["counts"],
+                mismatched=[n for n in stock["params"] if not torch.equal(stock["params"][n], z3["params"][n])])
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "fp32"), (2, "bf16"), (4, "fp32")])
+def test_a_module_some_ranks_skip_trains_as_with_a_dummy_input(world, dtype):
+    results = run_on_ranks(skipped_by_some_ranks, world_size=world, timeout=TIMEOUT * world // 2, dtype=dtype)
+    for rank, r in enumerate(results):
+        assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with a dummy input"
+        assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
+    assert len({str(r["counts"]) for r in results}) == 1, [r["counts"] for r in results]
+
+
+def bad_conditional_modules(entry):
+    try:
+        _engine(True, leaf=False, options={"conditional_modules": [entry]})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_conditional_modules_name_what_is_wrong():
+    for entry, want in (("layers.0.mo", "did you mean 'layers.0.moe'"), ("Expertz", "did you mean 'Expert'"),
+                        ("", "the model itself")):
+        message = run_on_ranks(bad_conditional_modules, timeout=TIMEOUT, entry=entry)[0]
+        assert message and message.startswith("Z3extConfigError") and want in message, (entry, message)

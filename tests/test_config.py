@@ -108,14 +108,6 @@ def config_cases():
     # Refused only when z3ext is on: stock DeepSpeed keeps them.
     out["stock_keeps_them"] = not is_z3ext(init(ds_config(zero_extra={k: bad for k, (bad, _) in REFUSED.items()})))
 
-    # free_grad_partitions where DeepSpeed's gradient path is kept: refused, naming both keys.
-    free = {"enabled": True, "free_grad_partitions": True}
-    out["free_refused"] = {
-        "z3ext.reduce_gradients": error_of(ds_config(z3ext={**free, "reduce_gradients": False})),
-        "zero_optimization.offload_optimizer": error_of(ds_config(z3ext=free, zero_extra={
-            "offload_optimizer": {"device": "cpu"}})),
-    }
-
     # MiCS: DeepSpeed 0.19.8 itself refuses the key (it removed MiCS); with z3ext on it must still be named.
     out["mics"] = error_of(ds_config(z3ext=True, zero_extra={"mics_shard_size": 2}))
 
@@ -158,12 +150,6 @@ def test_deepspeed_option_refused_by_name_unless_default(cases, key):
 def test_hf_standard_zero3_config_is_accepted_and_trains(cases):
     assert cases["hf_is_z3ext"] is True
     assert all(loss == loss and loss > 0 for loss in cases["hf_losses"]), cases["hf_losses"]
-
-
-def test_free_grad_partitions_refused_where_deepspeed_reduces(cases):
-    for key, message in cases["free_refused"].items():
-        assert message is not None and message.startswith("Z3extConfigError"), (key, message)
-        assert "z3ext.free_grad_partitions" in message and key in message, (key, message)
 
 
 def test_mics_refused_by_name(cases):

@@ -54,3 +54,4 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert kinds >= {"freeze", "unfreeze", "eval", "dropped", "fail", "kept0", "evalkept0", "cycle1"}, \
         f"the budget misses event kinds: {kinds}"
     assert any(p.checkpoint for p in drawn) and any(p.tied for p in drawn) and any(p.bf16 for p in drawn)
+    assert any(p.moe is not None for p in drawn) and any(p.sometimes is not None for p in drawn)
