@@ -5,9 +5,10 @@
 program that never imports deepspeed_z3ext (HF Trainer, Accelerate, the `deepspeed` launcher) would
 run stock ZeRO-3 without a word. Installed, this module puts a finder first on `sys.meta_path` that
 waits for `deepspeed` to be loaded (and removes itself then); once DeepSpeed has loaded, it replaces
-one attribute, `DeepSpeedConfig._do_sanity_check` (every DeepSpeedConfig runs it: `zero.Init`'s and
-`deepspeed.initialize`'s), with a check that only reads the config dict. A config that does not enable
-z3ext goes straight to DeepSpeed's check. One that does, while z3ext is not attached, imports
+`DeepSpeedConfig._do_sanity_check` (every DeepSpeedConfig runs it: `zero.Init`'s and
+`deepspeed.initialize`'s) with a check that only reads the config dict (and `_initialize_params` with
+the key check, [Note: section key]). A config that does not enable z3ext goes straight to DeepSpeed's
+check. One that does, while z3ext is not attached, imports
 deepspeed_z3ext there (the ops are built or loaded and the seams of seams.py installed, which then
 validate the section as with an explicit import); with `DEEPSPEED_Z3EXT_AUTO=0`, or when the import
 fails (a build error), or after `deepspeed_z3ext.uninstall()`, it raises `Z3extActivationError`
@@ -15,9 +16,18 @@ naming why instead: a config that enables z3ext never runs stock silently.
 Why a module outside the package: importing anything inside `deepspeed_z3ext` runs its `__init__`,
 which builds the ops and installs every seam; this file imports nothing but `os` and `sys` at
 interpreter start, so neither start nor `import deepspeed` pays for z3ext (README "Activation").
-It is the one place besides seams.py that changes a DeepSpeed attribute, and only this check
-(tests/test_seams.py checks both); `import deepspeed_z3ext` installs it too, so the check (and the
-refusal after `uninstall()`) is the same whether or not the package was installed with the .pth.
+It is the one place besides seams.py that changes DeepSpeed attributes, and only this check and the
+key check below (tests/test_seams.py checks both); `import deepspeed_z3ext` installs them too, so the
+checks (and the refusal after `uninstall()`) are the same whether or not the package was installed
+with the .pth.
+
+[Note: section key] The section is found by its exact key, so a near miss (`"Z3EXT"`, `"z3_ext"`,
+`"zero3_ext"`) would run stock ZeRO-3 silently, and `"z3ext"` under `"zero_optimization"` fails in
+DeepSpeed's own parse of that block ("Extra inputs are not permitted") without saying where the key
+goes. `DeepSpeedConfig._initialize_params` (which every DeepSpeedConfig runs on its dict before any
+of DeepSpeed's parsing, before `_do_sanity_check`) is therefore replaced too, by `check_section_key`
+and then DeepSpeed's own: either mistake raises `Z3extConfigError` naming the key found and the right
+one, whether z3ext is imported, activated or switched off, and without building the ops first.
 """
 import os
 import sys
@@ -26,6 +36,7 @@ SWITCH = "DEEPSPEED_Z3EXT_AUTO"
 SECTION = "z3ext"
 _installed_check = None  # the check, once it replaced DeepSpeed's _do_sanity_check
 _stock_check = None      # DeepSpeed's _do_sanity_check, called by the check
+_stock_initialize = None  # DeepSpeed's _initialize_params, called after the key check
 
 
 class Z3extError(Exception):
@@ -36,6 +47,42 @@ class Z3extError(Exception):
 
 class Z3extActivationError(Z3extError, RuntimeError):
     """A config enables z3ext but z3ext cannot attach; the message says why and what to do."""
+
+
+class Z3extConfigError(Z3extError, ValueError):
+    """A `z3ext` config problem; the message names the key. Here, not in errors.py, so that the key check
+    ([Note: section key]) raises it without importing the package."""
+
+
+def _looks_like_section(key) -> bool:
+    """A key that is meant as the section but is not exactly it: other case or separators, `zero3` for
+    `z3`, `extension` for `ext`, a `deepspeed`/`ds` prefix, or within a typo of it."""
+    if not isinstance(key, str) or key == SECTION:
+        return False
+    k = "".join(c for c in key.lower() if c.isalnum()).replace("zero3", "z3").replace("extension", "ext")
+    for prefix in ("deepspeed", "ds"):
+        if k.startswith(prefix) and k != prefix:
+            k = k[len(prefix):]
+    if k == SECTION:
+        return True
+    import difflib
+    return bool(difflib.get_close_matches(k, [SECTION], n=1, cutoff=0.8))
+
+
+def check_section_key(param_dict):
+    """Raises Z3extConfigError naming each key of the config dict that is meant as the `"z3ext"` section
+    but would be ignored: a look-alike at the top level, or the section under `"zero_optimization"`."""
+    if not isinstance(param_dict, dict):
+        return
+    problems = [f'"{key}" is not z3ext\'s key: write "{SECTION}" (exactly, at the top level); DeepSpeed ignores '
+                "the key as written" for key in param_dict if _looks_like_section(key)]
+    zero = param_dict.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += [f'"zero_optimization.{key}": the z3ext section is "{SECTION}" at the top level of the config, '
+                     'next to "zero_optimization", not inside it' for key in zero
+                     if key == SECTION or _looks_like_section(key)]
+    if problems:
+        raise Z3extConfigError("invalid z3ext config: " + "; ".join(problems))
 
 
 def auto_enabled() -> bool:
@@ -88,13 +135,22 @@ def _check(self):
     return _stock_check(self)
 
 
+def _initialize_params(self, param_dict):
+    """DeepSpeedConfig._initialize_params while installed: the key check, then DeepSpeed's own."""
+    check_section_key(param_dict)
+    return _stock_initialize(self, param_dict)
+
+
 def install_check():
-    """Replaces DeepSpeedConfig._do_sanity_check by the check (idempotent; imports DeepSpeed's config)."""
-    global _installed_check, _stock_check
+    """Replaces DeepSpeedConfig._do_sanity_check by the check and `_initialize_params` by the key check
+    (idempotent; imports DeepSpeed's config)."""
+    global _installed_check, _stock_check, _stock_initialize
     if _installed_check is not None:
         return
     from deepspeed.runtime.config import DeepSpeedConfig
     _stock_check = DeepSpeedConfig._do_sanity_check
+    _stock_initialize = DeepSpeedConfig._initialize_params
+    DeepSpeedConfig._initialize_params = _initialize_params
     DeepSpeedConfig._do_sanity_check = _check
     _installed_check = _check
 

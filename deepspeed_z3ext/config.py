@@ -141,8 +141,17 @@ def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
         return Z3extConfig.model_validate(raw)
     except ValidationError as e:
         problems = "; ".join(f'"{SECTION}.{".".join(str(p) for p in err["loc"])}": {err["msg"]} (got {err["input"]!r})'
-                             for err in e.errors())
+                             + _did_you_mean(err) for err in e.errors())
         raise Z3extConfigError(f"invalid z3ext config: {problems}") from None
+
+
+def _did_you_mean(err) -> str:
+    """For an unknown key, the closest of the section's keys (`hold_max_numell` -> `hold_max_numel`)."""
+    if err["type"] != "extra_forbidden" or len(err["loc"]) != 1:
+        return ""
+    import difflib
+    close = difflib.get_close_matches(str(err["loc"][0]), list(Z3extConfig.model_fields), n=1)
+    return f'; did you mean "{SECTION}.{close[0]}"?' if close else ""
 
 
 # [Note: stage-3 options] DeepSpeed 0.19.8's stage-3 keys for parameter fetch and what z3ext does

@@ -1,12 +1,9 @@
 """z3ext's exceptions: one base class, so `except deepspeed_z3ext.Z3extError` catches every error z3ext
 raises on purpose, and each also is the builtin a caller of DeepSpeed's code would catch there
-(`ClaimError` is defined with the claim vocabulary, claims.py). The base and the activation error live
-in the top-level `deepspeed_z3ext_activate` module, which loads without this package ([Note: activation])."""
-from deepspeed_z3ext_activate import Z3extActivationError, Z3extError  # noqa: F401
-
-
-class Z3extConfigError(Z3extError, ValueError):
-    """A `z3ext` config problem; the message names the key."""
+(`ClaimError` is defined with the claim vocabulary, claims.py). The base, the activation error and the config
+error live in the top-level `deepspeed_z3ext_activate` module, which loads without this package ([Note:
+activation], [Note: section key])."""
+from deepspeed_z3ext_activate import Z3extActivationError, Z3extConfigError, Z3extError  # noqa: F401
 
 
 class AioError(Z3extError, OSError):

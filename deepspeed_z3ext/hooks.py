@@ -101,10 +101,12 @@ def _input_boundary(args, boundary):
 # its own (called eagerly after a graph break). tests/test_compile.py compiles a z3ext engine.
 _eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _frame_callback = getattr(_eval_frame, "get_eval_frame_callback", None)
-_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
 
 
 def _never_traced(fn):
+    # Dynamo is imported here, at the first hook registration, not at `import deepspeed_z3ext`:
+    # `torch._dynamo` takes about a second to import and a program that never registers hooks
+    # (`python -m deepspeed_z3ext`, stock engines) does not need it (tests/test_build.py).
     disabled = torch.compiler.disable(fn)
     if _frame_callback is None:
         return disabled
@@ -113,8 +115,9 @@ def _never_traced(fn):
             return fn(*args)
         return disabled(*args)
 
-    if _skip_code is not None:
-        _skip_code(hook.__code__)  # called outside a traced frame (after a graph break): not a frame to compile
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)  # loaded by torch.compiler.disable
+    if skip_code is not None:
+        skip_code(hook.__code__)  # called outside a traced frame (after a graph break): not a frame to compile
     for attr in ("_torchdynamo_disable", "_torchdynamo_disable_msg", "_torchdynamo_orig_callable",
                  "_torchdynamo_disable_recursive"):
         if hasattr(disabled, attr):

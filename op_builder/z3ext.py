@@ -6,12 +6,10 @@
 CPU-only flavour otherwise. Nothing here creates a CUDA context.
 """
 import fcntl
-import functools
 import hashlib
 import importlib
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import time
@@ -42,25 +40,55 @@ def environment_key():
     executable, the source folder and the torch version: each environment and checkout keeps its own
     build, nothing is shared between them. The sources' contents are left out on purpose: an edit
     rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
-    It also carries the version of the `ninja` on PATH (the one torch runs): ninja 1.13 writes its
-    build log (`.ninja_log`) as v7, 1.11 as v5, and each discards the other's and rebuilds everything,
-    so a PATH that switches between a venv's ninja and the system's would rebuild at each switch.
+    Which `ninja` is on PATH is left out too: each folder runs the ninja it was first built with
+    ([Note: one ninja per build folder]).
     """
-    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__,
-             _ninja_version(os.environ.get("PATH", "")))
+    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
 
 
-@functools.lru_cache(maxsize=None)
-def _ninja_version(path):
-    """`ninja --version` of the ninja found on `path` (as torch runs it); "" where there is none."""
-    exe = shutil.which("ninja", path=path)
-    if exe is None:
-        return ""
+# [Note: one ninja per build folder] torch runs `ninja` from PATH. ninja 1.13 writes its build log
+# (`.ninja_log`) as v7, 1.11 as v5, and each discards the other's and rebuilds everything, so a PATH
+# that switched between a venv's ninja and the system's rebuilt the ops at each switch (keying the
+# folder on the ninja version instead built them once per version). The first build of a folder
+# therefore pins the ninja PATH gives then: `<folder>/z3ext-ninja/ninja` is a link to it, and every
+# build or load of that folder runs with `z3ext-ninja` first on PATH, so it is always that ninja
+# whatever PATH says, and nothing else on PATH moves (a link, not the pinned ninja's own folder, which
+# could hold another `c++`). Which ninja runs does not change what is built, only the log's format.
+# Once the pinned ninja is gone (its venv removed) the link dangles and PATH's ninja is pinned anew.
+PINNED_NINJA = "z3ext-ninja"
+
+
+def pinned_ninja_dir(build_dir):
+    """The folder holding this build folder's ninja (a link), pinned from PATH at the first call;
+    None when there is none pinned and none on PATH. Called under the build folder's flock."""
+    folder = Path(build_dir) / PINNED_NINJA
+    link = folder / "ninja"
+    if os.path.exists(link):  # follows the link: False when its target is gone
+        return folder
+    found = shutil.which("ninja")
+    if found is None:
+        return None
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f"ninja.{os.getpid()}"
+    if os.path.lexists(tmp):
+        tmp.unlink()
+    tmp.symlink_to(os.path.abspath(found))
+    os.replace(tmp, link)
+    return folder
+
+
+def _mtime_ns(path):
     try:
-        return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _say(message):
+    # stderr, not DeepSpeed's logger, whose level frameworks lower: a first build's 1-3 silent minutes
+    # look like a hang.
+    print(message, file=sys.stderr, flush=True)
 
 
 def torch_lock_outlives_its_holder(cpp_extension=None):
@@ -116,11 +144,6 @@ class Z3extOpBuilder(CUDAOpBuilder):
         if shutil.which(cxx) is None:
             raise OpBuildError(f"z3ext: no C++ compiler '{cxx}' on PATH. Install one (e.g. `apt-get install g++`) "
                                "or set CXX.")
-        try:
-            from torch.utils.cpp_extension import verify_ninja_availability
-            verify_ninja_availability()
-        except RuntimeError as e:
-            raise OpBuildError("z3ext: ninja is required to build the ops: `pip install ninja`.") from e
         py_inc = sysconfig.get_paths()["include"]
         if not Path(py_inc, "Python.h").exists():
             raise OpBuildError(f"z3ext: Python headers not found in {py_inc}: install python3-dev "
@@ -156,11 +179,15 @@ class Z3extOpBuilder(CUDAOpBuilder):
         # (torch_lock_outlives_its_holder; tests/test_build.py checks which kind the installed torch has).
         with open(build_dir / "z3ext.flock", "w") as guard:
             t0 = time.time()
+            waiting = False
             while True:
                 try:
                     fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if not waiting and time.time() - t0 > 5:  # a build, not another rank's cached load: say so once
+                        _say(f"z3ext: waiting for another process building the ops in {build_dir}")
+                        waiting = True
                     if time.time() - t0 > 900:
                         raise OpBuildError(f"z3ext: another process has been building the ops in {build_dir} for "
                                            "15 minutes; stop it or remove that folder.")
@@ -170,12 +197,34 @@ class Z3extOpBuilder(CUDAOpBuilder):
                 from deepspeed.utils import logger
                 logger.warning(f"z3ext: removing stale build lock {stale} left by a killed build")
                 stale.unlink()
+            ninja_dir = pinned_ninja_dir(build_dir)
+            if ninja_dir is None:
+                raise OpBuildError("z3ext: ninja is required to build the ops: `pip install ninja`.")
+            # torch names the module after the build's name; a missing .so or a source newer than it is a
+            # build (an edit of csrc/ rebuilds in place). The end line follows what really happened: the .so changed.
+            so = build_dir / f"{self.name}.so"
+            before = _mtime_ns(so)
+            announced = before is None or any(_mtime_ns(f) > before for f in CSRC.iterdir() if f.is_file())
+            if announced:
+                _say(f"z3ext: building the {self.flavour} ops in {build_dir} (first use: 1-3 minutes, cached "
+                     "afterwards)")
+            start = time.time()
+            path = os.environ.get("PATH")
+            os.environ["PATH"] = os.pathsep.join([str(ninja_dir)] + ([path] if path else []))
             try:
-                return self.jit_load(verbose)
+                mod = self.jit_load(verbose)
             except Exception as e:  # compiler errors: name the folder with the log
                 raise OpBuildError(f"z3ext: building the {self.flavour} ops failed ({e}). The build folder is "
                                    f"{build_dir}; rerun with verbose=True (Z3EXT_VERBOSE_BUILD=1) to see the "
                                    "compiler output.") from e
+            finally:
+                if path is None:
+                    os.environ.pop("PATH", None)
+                else:
+                    os.environ["PATH"] = path
+            if announced or _mtime_ns(so) != before:
+                _say(f"z3ext: built the {self.flavour} ops in {time.time() - start:.0f} s ({so})")
+            return mod
 
     def builder(self):
         ext = super().builder()

@@ -1,6 +1,14 @@
 """The config at `deepspeed.initialize` (real engines, one gloo rank): every bad `"z3ext"` value is an
-error naming its key ("auto" included), each DeepSpeed ZeRO-3 option z3ext does not honour is refused by
-name unless it has DeepSpeed's default, and HF Trainer's standard ZeRO-3 config is accepted and trains."""
+error naming its key ("auto" included; a misspelt key with the one meant), a key meant as the section but
+not exactly `"z3ext"` at the top level is an error naming both (also without importing z3ext, [Note:
+section key]), each DeepSpeed ZeRO-3 option z3ext does not honour is refused by name unless it has
+DeepSpeed's default, and HF Trainer's standard ZeRO-3 config is accepted and trains."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 from tests.harness import run_on_ranks
@@ -18,7 +26,24 @@ BAD_SECTIONS = {
                  'integer'),
     "float_int": ({"enabled": True, "pool_budget_mb": 1.5}, '"z3ext.pool_budget_mb": Input should be a valid integer'),
     "negative": ({"enabled": True, "pool_budget_mb": -1}, '"z3ext.pool_budget_mb": Input should be greater than'),
+    "misspelt_key": ({"enabled": True, "hold_max_numell": 10}, '"z3ext.hold_max_numell": Extra inputs are not '
+                     'permitted (got 10); did you mean "z3ext.hold_max_numel"?'),
+    "misspelt_case": ({"Enabled": True}, 'did you mean "z3ext.enabled"?'),
 }
+
+# Keys meant as the section that DeepSpeed would ignore (stock ZeRO-3, silently, without the check).
+LOOKALIKES = ["Z3ext", "Z3EXT", "z3_ext", "z3-ext", "zero3ext", "zero3_ext", "z3extension", "deepspeed_z3ext"]
+
+
+def _lookalike_message_ok(message, key):
+    return (message is not None and message.startswith("Z3extConfigError")
+            and f'"{key}" is not z3ext\'s key: write "z3ext" (exactly, at the top level)' in message)
+
+
+def _nested_message_ok(message, key):
+    return (message is not None and message.startswith("Z3extConfigError")
+            and f'"zero_optimization.{key}": the z3ext section is "z3ext" at the top level' in message)
+
 
 REFUSED = {
     # DeepSpeed zero_optimization key: (a value z3ext refuses, DeepSpeed's default, which it accepts)
@@ -108,6 +133,18 @@ def config_cases():
     # Refused only when z3ext is on: stock DeepSpeed keeps them.
     out["stock_keeps_them"] = not is_z3ext(init(ds_config(zero_extra={k: bad for k, (bad, _) in REFUSED.items()})))
 
+    # The section under a look-alike key or inside zero_optimization: refused at deepspeed.initialize and
+    # at zero.Init (both build a DeepSpeedConfig), with or without a correct "z3ext" next to it.
+    out["lookalike"] = {key: error_of(ds_config(extra={key: True})) for key in LOOKALIKES}
+    out["lookalike_next_to_z3ext"] = error_of(ds_config(z3ext=True, extra={"Z3EXT": {"leak_check": True}}))
+    out["nested"] = {key: error_of(ds_config(zero_extra={key: True})) for key in ("z3ext", "Z3ext")}
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config(extra={"z3_ext": True})):
+            TinyGPT()
+        out["lookalike_zero_init"] = None
+    except Exception as e:
+        out["lookalike_zero_init"] = f"{type(e).__name__}: {e}"
+
     # MiCS: DeepSpeed 0.19.8 itself refuses the key (it removed MiCS); with z3ext on it must still be named.
     out["mics"] = error_of(ds_config(z3ext=True, zero_extra={"mics_shard_size": 2}))
 
@@ -154,3 +191,61 @@ def test_hf_standard_zero3_config_is_accepted_and_trains(cases):
 
 def test_mics_refused_by_name(cases):
     assert cases["mics"] is not None and "mics_shard_size" in cases["mics"], cases["mics"]
+
+
+@pytest.mark.parametrize("key", LOOKALIKES)
+def test_a_lookalike_section_key_names_the_right_one(cases, key):
+    assert _lookalike_message_ok(cases["lookalike"][key], key), cases["lookalike"][key]
+
+
+def test_a_lookalike_is_refused_next_to_z3ext_and_at_zero_init(cases):
+    assert _lookalike_message_ok(cases["lookalike_next_to_z3ext"], "Z3EXT"), cases["lookalike_next_to_z3ext"]
+    assert _lookalike_message_ok(cases["lookalike_zero_init"], "z3_ext"), cases["lookalike_zero_init"]
+
+
+@pytest.mark.parametrize("key", ["z3ext", "Z3ext"])
+def test_the_section_inside_zero_optimization_names_the_top_level(cases, key):
+    assert _nested_message_ok(cases["nested"][key], key), cases["nested"][key]
+
+
+_WITHOUT_IMPORT = """
+    import sys
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    import deepspeed_z3ext_activate
+    print("PTH", deepspeed_z3ext_activate.STARTED_BY_PTH)
+    for key, where in (("Z3EXT", "top"), ("zero3_ext", "top"), ("z3ext", "zero")):
+        cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
+        (cfg if where == "top" else cfg["zero_optimization"])[key] = True
+        try:
+            DeepSpeedConfig(cfg)
+            print("ACCEPTED", key)
+        except Exception as e:
+            print("RAISED", key, type(e).__name__ + ": " + str(e).replace("\\n", " "))
+    print("IMPORTED", "deepspeed_z3ext" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_lookalikes_refused_without_an_import(tmp_path, switch):
+    """The program never imports deepspeed_z3ext ([Note: activation], the .pth that `pip install` puts in
+    site-packages): a look-alike key does not enable z3ext, yet is refused by name at DeepSpeedConfig, with
+    DEEPSPEED_Z3EXT_AUTO on or off, and nothing of the package (nor its build) is loaded for it."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("DEEPSPEED_Z3EXT_AUTO", None)
+    if switch == "off":
+        env["DEEPSPEED_Z3EXT_AUTO"] = "0"
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_WITHOUT_IMPORT)], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.split(" ")[0] in ("PTH", "RAISED", "ACCEPTED", "IMPORTED")]
+    assert lines[0] == "PTH True", ("deepspeed_z3ext.pth is not in site-packages: install the package "
+                                    "(`pip install --no-build-isolation --no-deps -e .`) to test activation")
+    raised = {line.split(" ", 2)[1]: line.split(" ", 2)[2] for line in lines if line.startswith("RAISED")}
+    assert set(raised) == {"Z3EXT", "zero3_ext", "z3ext"}, lines
+    assert _lookalike_message_ok(raised["Z3EXT"], "Z3EXT"), raised
+    assert _lookalike_message_ok(raised["zero3_ext"], "zero3_ext"), raised
+    assert _nested_message_ok(raised["z3ext"], "z3ext"), raised
+    assert lines[-1] == "IMPORTED False", lines
