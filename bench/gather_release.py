@@ -169,11 +169,12 @@ def build_system(name, a, device):
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
-    # (z3ext.free_grad_partitions: gradient partitions freed between steps), nogroups (z3ext.fetch_group_numel
+    # (z3ext.free_grad_partitions true, the default), keepgrads (false: stock's partitions kept between steps,
+    # the default before conditional.py's change), nogroups (z3ext.fetch_group_numel
     # 0: one fetch unit per module, [Note: fetch groups])
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
-    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "nogroups",
+    unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "keepgrads", "nogroups",
                                                 "memberclaims", "blockclaims", "hpz", "divide")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
@@ -190,6 +191,8 @@ def build_system(name, a, device):
             options["reduce_gradients"] = False
         if "freegrads" in variants:
             options["free_grad_partitions"] = True
+        if "keepgrads" in variants:
+            options["free_grad_partitions"] = False
         if "divide" in variants:
             options["divide_after_reduce"] = False
         if "nogroups" in variants:
