@@ -32,8 +32,10 @@ def resident(model, numel=None):
     res = coordinator.resident
     budget, explicit = res.budget, res.explicit
     coordinator.release_resident()  # what an earlier generation kept counts against another budget
-    if numel is not None:
-        res.budget = numel
+    # [Note: arguments that must agree] in schedule.py: every rank keeps within the smallest budget
+    wanted = budget if numel is None else numel
+    rows = coordinator.state.agreement.agreed("deepspeed_z3ext.resident(engine, numel)", [wanted], minimum=0)
+    res.budget = min(r[0] for r in rows)
     res.explicit = True  # every no_grad forward inside keeps, the first one too
     try:
         yield

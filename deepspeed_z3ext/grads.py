@@ -41,16 +41,22 @@ the window). A flush that raises puts its unwritten gradients back into the buck
 
 [Note: gradient partitions between steps] Stock keeps the optimizer's gradient partitions
 (`grad_partitions_flat_buffer`, this rank's share of every gradient in the gradient dtype) allocated for
-the engine's life, so a trainable parameter that gets no gradient in a window steps on the partition an
-earlier window left there. With `z3ext.free_grad_partitions` the buffer's storage is resized to 0 bytes
-after each step (`_post_step`) and re-allocated, zeroed, by the window's first flush (or by the next
-step's start if no flush came): the views DeepSpeed keeps of it stay valid, as a released parameter's do
-([Note: true release] in csrc/engine.h), and between steps (evaluation, generation, a reference model's
-forward) the memory is the program's. The numbers are stock's whenever every trainable parameter gets a
-gradient in each window, since the first flush of a window copies over the whole partition; a parameter
-that gets none steps on zeros (stock's first window), not on stale values, which is why it is opt-in.
-DeepSpeed's `offload_states` re-allocates it first. On CUDA the buffer is freed on the compute stream
-after the step, when stock's epilogue has synchronised the reduce stream that wrote it.
+the engine's life and writes each window's first reduction over them (`micro_step_id == 0`: a copy), so a
+trainable parameter that gets no gradient in a window (frozen mid-training, an expert no token reached, a
+branch skipped) steps on the partition an earlier window left, and one that first gets a gradient at a
+later micro-step adds it to that old partition: stale gradients, silently. With `z3ext.free_grad_partitions`
+(the default) such a parameter steps on zeros, as in ZeRO stage 1/2 (which zero-fill a missing gradient;
+stage 0 with a torch optimizer skips the parameter, which a flat partition cannot): on z3ext's gradient
+path the buffer's storage is resized to 0 bytes after each step (`_post_step`) and re-allocated, zeroed, by
+the window's first flush (or by the next step's start if no flush came), so between steps (evaluation,
+generation, a reference model's forward) the memory is the program's; where DeepSpeed reduces (offload,
+qgZ, `reduce_gradients: false`) its partitions, and the CPU optimizer's gradients with `offload_optimizer`,
+are zeroed after the step instead (sub-groups swapped to NVMe keep stock's behaviour, logged). The views
+DeepSpeed keeps of the buffer stay valid, as a released parameter's do ([Note: true release] in
+csrc/engine.h); a gradient accessor between steps (`safe_get_full_grad` and the like) and DeepSpeed's
+`offload_states` re-allocate it first. The numbers are stock's whenever every trainable parameter gets a
+gradient in each window. On CUDA the buffer is freed on the compute stream after the step, when stock's
+epilogue has synchronised the reduce stream that wrote it. `false` restores stock's kept partitions.
 
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at

@@ -25,6 +25,14 @@ schedules realign (a whole micro-batch skipped) the ranks train a batch apart: t
 each rank's rolled-back ops and raises on every rank at the next step. When every rank raises in the same
 op (the same allocation failing everywhere), the counts agree and training goes on.
 
+[Note: arguments that must agree] A per-call value that shapes the schedule (the elements
+`deepspeed_z3ext.resident(engine, numel)` keeps gathered, `full_weights`' bucket bytes and names) decides
+which units stay gathered or which tensors one all-gather carries: sized from each GPU's free memory, it
+would differ between ranks and so would their collectives. Where such a call takes effect the ranks
+exchange it (one tiny all-gather, `RankAgreement.agreed`): a budget becomes the smallest on every rank
+(logged), anything else that differs raises on every rank naming each rank's value, before any collective
+depends on it. `leak_check` decides on every rank together: a leak found on one rank raises on all of them.
+
 [Note: schedule check] NCCL does not notice two ranks gathering different things: a hang, or garbage
 where sizes happen to match. The gather engine keeps a fingerprint of its collectives ([Note: schedule
 fingerprint] in csrc/schedule.h); the ranks compare it with one tiny all-gather at every optimizer step
@@ -81,6 +89,28 @@ class RankAgreement:
         t = torch.tensor(flags, dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.tolist()]
+
+    def agreed(self, what: str, values: List[int], minimum: Optional[int] = None) -> List[List[int]]:
+        """Every rank's `values` (one tiny all-gather) for a call whose arguments shape the schedule
+        ([Note: arguments that must agree]). Where they differ: with `minimum` (an index into `values`) the
+        caller takes the smallest at that index (logged once per call site on rank 0), and any other
+        difference raises `ScheduleMismatchError` on every rank, naming each rank's values."""
+        rows = self.all_gather(values) if self.world > 1 else [list(values)]
+        if all(r == rows[0] for r in rows):
+            return rows
+        rest = [[v for i, v in enumerate(r) if i != minimum] for r in rows]
+        if any(r != rest[0] for r in rest):
+            raise ScheduleMismatchError(f"z3ext: {what}: the ranks passed different values ("
+                                        + "; ".join(f"rank {k}: {r}" for k, r in enumerate(rows))
+                                        + "); every rank must make the same call ([Note: arguments that must agree] "
+                                        "in deepspeed_z3ext/schedule.py)")
+        if self.rank == 0:
+            from deepspeed.utils import logger
+            logger.warning(f"z3ext: {what}: the ranks passed different values ("
+                           + ", ".join(f"rank {k}: {r[minimum]}" for k, r in enumerate(rows))
+                           + f"); every rank uses the smallest, {min(r[minimum] for r in rows)}, so that they keep "
+                           "the same units and issue the same collectives")
+        return rows
 
     def all_gather(self, values: List[int]) -> List[List[int]]:
         """`values` (the same length on every rank) of every rank, in rank order."""

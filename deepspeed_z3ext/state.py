@@ -256,8 +256,14 @@ class Z3extState:
         gathered = ops().ParamState.GATHERED
         unclaimed = [h.name for h in self.engine.handles if h.state == gathered and not h.claims]
         leaked = self.engine.stale_references()
-        if unclaimed or leaked:
-            raise RuntimeError(f"z3ext leak check ({when}): " +
+        # Decided on every rank together ([Note: arguments that must agree] in schedule.py): a rank that
+        # raised alone would leave the others in their next collective.
+        counts = self.agreement.all_gather([len(unclaimed), len(set(leaked))]) if self.agreement.world > 1 else [
+            [len(unclaimed), len(set(leaked))]]
+        if any(sum(c) for c in counts):
+            ranks = ", ".join(f"rank {r}: {c[0]} gathered without a claim, {c[1]} referenced"
+                              for r, c in enumerate(counts) if sum(c))
+            raise RuntimeError(f"z3ext leak check ({when}; {ranks}): on this rank (rank {self.agreement.rank}): " +
                                (f"gathered without a claim: {unclaimed}; " if unclaimed else "") +
                                (f"released but still referenced elsewhere (a view kept from a forward or a "
                                 f"GatheredParameters block? it holds no memory, and reading it raises): "

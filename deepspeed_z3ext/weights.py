@@ -23,6 +23,7 @@ storage of its own (one strided copy each), so a tensor the consumer keeps holds
 flat buffer's storage is freed at once (resized to 0 bytes: nothing reads it again, and the backend's
 finished work may hold it a moment longer). A bucket of one parameter is its buffer, uncopied.
 """
+import zlib
 from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -82,6 +83,7 @@ def full_weights(engine_or_module, bucket_bytes: int,
     module = _module_of(engine_or_module)
     budget = _budget(bucket_bytes)
     entries = _entries(module, names)
+    budget = _agreed(entries, budget)
     buckets, current, used = [], [], 0
     for e in entries:
         if current and (e.group is not current[0].group or e.dtype != current[0].dtype or used + e.nbytes > budget):
@@ -92,6 +94,19 @@ def full_weights(engine_or_module, bucket_bytes: int,
     if current:
         buckets.append(current)
     return _stream(buckets)
+
+
+def _agreed(entries, budget) -> int:
+    """The ranks' bucket bytes made equal (the smallest) and their parameter lists checked equal before any
+    bucket's gather ([Note: arguments that must agree] in schedule.py); over the largest group gathered."""
+    groups = [e.group for e in entries if e.group is not None]
+    if not groups:
+        return budget
+    from deepspeed_z3ext.schedule import RankAgreement
+    agreement = RankAgreement(max(groups, key=dist.get_world_size))
+    names = zlib.crc32("\0".join(e.name for e in entries).encode())
+    rows = agreement.agreed("full_weights(engine, bucket_bytes, names)", [budget, len(entries), names], minimum=0)
+    return min(r[0] for r in rows)
 
 
 def _module_of(x) -> torch.nn.Module:
