@@ -51,7 +51,8 @@ path the buffer's storage is resized to 0 bytes after each step (`_post_step`) a
 the window's first flush (or by the next step's start if no flush came), so between steps (evaluation,
 generation, a reference model's forward) the memory is the program's; where DeepSpeed reduces (offload,
 qgZ, `reduce_gradients: false`) its partitions, and the CPU optimizer's gradients with `offload_optimizer`,
-are zeroed after the step instead (sub-groups swapped to NVMe keep stock's behaviour, logged). The views
+are zeroed after the step instead (sub-groups swapped to NVMe keep stock's behaviour, logged), and so
+are they under DeepCompile, whose own ops write them. The views
 DeepSpeed keeps of the buffer stay valid, as a released parameter's do ([Note: true release] in
 csrc/engine.h); a gradient accessor between steps (`safe_get_full_grad` and the like) and DeepSpeed's
 `offload_states` re-allocate it first. The numbers are stock's whenever every trainable parameter gets a
@@ -199,6 +200,7 @@ class GradReducer:
         self._pass_accumulated = 0  # partitions it added to (gradient accumulation)
         self._free_partitions = state.config.free_grad_partitions  # [Note: gradient partitions between steps]
         self._conditional = state.conditional_params  # [Note: conditional modules] in conditional.py
+        self._state = weakref.ref(state)
         self._freed = None  # (the buffer's data_ptr, its bytes) while freed
         self._n_freed = 0
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
@@ -311,6 +313,10 @@ class GradReducer:
         """The step is over ([Note: gradient partitions between steps])."""
         buffer = getattr(self._optimizer(), "grad_partitions_flat_buffer", None)
         if not self._free_partitions or self._freed is not None or buffer is None:
+            return
+        state = self._state()
+        if state is not None and state.compiled:
+            buffer.zero_()  # DeepCompile's own ops write the partitions: they stay allocated, zeroed
             return
         storage = buffer.untyped_storage()
         self._freed = (buffer.data_ptr(), storage.nbytes())

@@ -49,7 +49,9 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             m.__dict__.pop("pre_bwd_fn", None)
             m.__dict__.pop("post_bwd_fn", None)
         # Before the hooks: a mixture-of-experts block's unit is decided now ([Note: conditional blocks]).
-        blocks = conditional.mark(module) if z3ext_config.conditional_blocks else []
+        # stage3_module_granularity_threshold makes DeepSpeed choose the leaves (in its __init__): it decides.
+        detect = z3ext_config.conditional_blocks and not kwargs.get("zero_module_granularity_threshold", 0)
+        blocks = conditional.mark(module) if detect else []
         skipped = conditional.mark_modules(module, z3ext_config.conditional_modules)  # [Note: conditional modules]
         super().__init__(module, timers, ds_config, *args, **kwargs)
         conditional.warn_over_budget(blocks, self._max_available_parameters_in_numel)

@@ -1,4 +1,4 @@
-"""The `gpus(n)` marker: `@pytest.mark.gpus(2)` skips a test unless at least n CUDA GPUs are visible
+"""Test tiers ([Note: test tiers] below) and the `gpus(n)` marker: `@pytest.mark.gpus(2)` skips a test unless at least n CUDA GPUs are visible
 (the reason names how many it needs and how many there are), and marks it `gpu` as well, so
 `pytest -m gpu` (run on the device) selects exactly the GPU tests and the default CPU run skips them."""
 import pytest
@@ -16,9 +16,15 @@ def _needed(marker):
     return n
 
 
-# tryfirst: the `gpu` marker must be on the items before `-m gpu` deselects by marker.
+# tryfirst: the `gpu` marker must be on the items before `-m gpu` deselects by marker. One hook per plugin
+# module: it marks, then keeps the default tier.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _mark_gpus(items)
+    _default_tier(config, items)
+
+
+def _mark_gpus(items):
     available = None
     for item in items:
         marker = item.get_closest_marker("gpus")
@@ -36,3 +42,56 @@ def pytest_collection_modifyitems(config, items):
         if available < n:
             item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPU{'s' if n > 1 else ''}, {available} visible "
                                              f"(run on the device: pytest -m gpu)"))
+
+
+# [Note: test tiers] `pytest tests` runs the default tier: a few tests of every area (build, config, engine,
+# claims, gradients, many ranks and non-uniform programs, faults, HF, TRL, weights, the differential test's
+# regressions), about 5 minutes on 2 idle cores; `pytest tests --full` runs everything (CI runs both). A
+# test is in the default tier when its node id (without `tests/`) starts with an entry of DEFAULT_TIER;
+# new tests are in the full suite until listed here. Naming files, tests, `-k` or `-m` selects as usual.
+DEFAULT_TIER = (
+    "test_build.py::test_import_loads_no_dynamo_and_creates_no_cuda_context",
+    "test_build.py::test_missing_ninja_says_what_to_install",
+    "test_package.py::",
+    "test_seams.py::test_only_the_seam_layer_assigns_to_deepspeed",
+    "test_config.py::test_bad_section_value_names_the_key",
+    "test_config.py::test_a_lookalike_section_key_names_the_right_one",
+    "test_config.py::test_deepspeed_option_refused_by_name_unless_default",
+    "test_core.py::test_config_validation_and_dispatch",
+    "test_core.py::test_fetch_groups_one_unit_per_block",
+    "test_equivalence.py::test_bitwise_equal_to_stock[nomel-zeroinit-persist0]",
+    "test_true_release.py::test_a_read_of_a_released_parameter_raises_naming_it",
+    "test_ownership.py::test_gathered_parameters_between_and_around_forward",
+    "test_gradients.py::test_gradient_path_bitwise_equal_to_stock[ga3]",
+    "test_rank_symmetry.py::test_grad_forward_kept_by_rank0_only",
+    "test_schedule_check.py::test_different_gathers_raise_on_every_rank",
+    "test_conditional.py::test_experts_without_tokens_step_on_zero_gradients[block]",
+    "test_conditional.py::test_per_expert_moe_routed_by_rank_equals_stock_with_a_leaf[2-fp32]",
+    "test_conditional.py::test_a_module_some_ranks_skip_trains_as_with_a_dummy_input[2-fp32]",
+    "test_conditional.py::test_detection_finds_expert_blocks_only",
+    "test_agreement.py::test_leak_check_on_one_rank_raises_on_every_rank",
+    "test_faults.py::test_a_fault_on_one_rank_ends_in_an_error_on_every_rank",
+    "test_hf.py::test_hf_trainer_full_finetune",
+    "test_trl.py::test_sft",
+    "test_weights.py::test_full_weights_on_one_rank",
+    "test_differential.py::test_regressions_bitwise_equal_to_stock",
+    "test_examples.py::",
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run the full suite, not only the default tier "
+                     "([Note: test tiers] in tests/conftest.py)")
+
+
+def _default_tier(config, items):
+    if config.getoption("--full") or config.getoption("-m") or config.getoption("-k") or any(
+            ".py" in a for a in config.args):
+        return  # the full suite, or a selection the command line makes itself (-k, -m, a file, a test)
+    kept, left = [], []
+    for item in items:
+        nodeid = item.nodeid.split("tests/", 1)[-1]
+        (kept if nodeid.startswith(DEFAULT_TIER) else left).append(item)
+    if left and len(items) > 1:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept

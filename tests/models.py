@@ -82,6 +82,27 @@ def build_engine(config, model_fn=TinyGPT, seed=1234, inside_init=True, model=No
     wanted = config.get("z3ext") in (True, ) or (isinstance(config.get("z3ext"), dict) and config["z3ext"].get("enabled"))
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     assert bool(wanted) == hasattr(offload, "z3ext"), "z3ext enabled state differs from the config"
+    if not wanted:
+        without_stale_gradients(engine)
+    return engine
+
+
+def without_stale_gradients(engine):
+    """Stock ZeRO-3 as the reference where it is wrong: a parameter that gets no gradient in a window (a block
+    a forward skipped, frozen mid-training) steps on stock's partition from an earlier window; ZeRO stage 1/2
+    and z3ext ([Note: gradient partitions between steps]) step on zeros. Stock's partitions are zeroed after
+    each optimizer step, which changes nothing where every parameter gets a gradient in each window."""
+    step = engine.step
+
+    def step_then_zero(*args, **kwargs):
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = step(*args, **kwargs)
+        buffer = getattr(engine.optimizer, "grad_partitions_flat_buffer", None)
+        if boundary and buffer is not None:
+            buffer.zero_()
+        return out
+
+    engine.step = step_then_zero
     return engine
 
 

@@ -356,7 +356,7 @@ def _run(program, z3ext, rank, cfg):
     import torch
     import deepspeed
     import deepspeed_z3ext  # noqa: F401
-    from tests.models import full_params
+    from tests.models import full_params, without_stale_gradients
 
     torch.manual_seed(program.seed)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -369,6 +369,8 @@ def _run(program, z3ext, rank, cfg):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if z3ext:
         deepspeed_z3ext.stats(engine)  # raises unless z3ext owns this engine
+    else:
+        without_stale_gradients(engine)  # the reference where a parameter gets no gradient in a window
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     frozen = []
     losses, i, failed = [], 0, 0
@@ -417,10 +419,6 @@ def _run(program, z3ext, rank, cfg):
                 if z3ext and micro == program.ga - 1:
                     check_gradient_runs(engine.optimizer)
                 engine.step()
-                if not z3ext and micro == program.ga - 1:
-                    # The reference for a parameter without a gradient in a window (frozen, skipped, an expert
-                    # no token reached): a zero gradient, as ZeRO stage 1/2 give it, not stock's stale partition.
-                    engine.optimizer.grad_partitions_flat_buffer.zero_()
                 losses.append(loss.item())
                 i += 1
                 for entry in pending:

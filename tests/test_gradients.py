@@ -21,8 +21,9 @@ CASES = {
     "clip-untriggered": ({"gradient_clipping": 1e6}, {}, {}, 2),  # never triggered: the step's view
     "clip-exact-norm": ({"gradient_clipping": 1e-3}, {}, {"exact_grad_norm": True}, 2),  # stock's norm loop
     "bf16-fp32-comm": ({"bf16": {"enabled": True}, "communication_data_type": "fp32"}, {}, {}, 2),
-    "free-grad-partitions": ({}, {}, {"free_grad_partitions": True}, 2),  # [Note: gradient partitions between steps]
-    "free-grad-partitions-clip": ({"gradient_clipping": 1e-3}, {}, {"free_grad_partitions": True}, 1),
+    # [Note: gradient partitions between steps]: freed by default; kept (stock's) with the opt-out
+    "keep-grad-partitions": ({}, {}, {"free_grad_partitions": False}, 2),
+    "keep-grad-partitions-clip": ({"gradient_clipping": 1e-3}, {}, {"free_grad_partitions": False}, 1),
     "stock-path": ({}, {}, {"reduce_gradients": False}, 2),
     "reduce-scatter-off": ({}, {"reduce_scatter": False}, {}, 2),  # stock's all-reduce path: kept
     # DeepSpeed refuses fp16 on CPU: GPU only (test_gradient_path_on_gpu).
@@ -176,7 +177,7 @@ def check(results, case, norm_rtol=0.0):
         # to the master dtype) unless a view's unscale would multiply (triggered clipping, a loss scale).
         steps_taken = len(r["z3_losses"]) // ga - r["skipped"][1]  # an overflow skips the step
         # [Note: fused unscale]: where the unscale multiplies, that copy is also the unscale, which is not run.
-        clipped = ("clip", "bf16-clip", "clip-exact-norm", "fp16-loss-scale", "free-grad-partitions-clip")
+        clipped = ("clip", "bf16-clip", "clip-exact-norm", "fp16-loss-scale", "keep-grad-partitions-clip")
         assert st["step_views"] == steps_taken, st
         # The unscale is skipped exactly when it would multiply by 1: no loss scale, clipping off or untriggered.
         if case in clipped:
@@ -185,9 +186,9 @@ def check(results, case, norm_rtol=0.0):
             assert st["unscales_skipped"] == steps_taken and st["unscales_fused"] == 0, st
         # The step's norm was z3ext's multi-tensor pass, unless the case asks for stock's loop.
         assert st["fast_norms"] == (0 if options.get("exact_grad_norm") else steps_taken), st
-        # The gradient partitions between steps: freed with free_grad_partitions, else kept as stock keeps them.
+        # The gradient partitions between steps: freed (the default), or kept as stock keeps them (the opt-out).
         assert all(n > 0 for n in r["stock_between"]), r["stock_between"]
-        if options.get("free_grad_partitions"):
+        if options.get("free_grad_partitions", True):
             assert r["z3_between"] == [0] * len(r["z3_between"]) and st["partitions_freed"] == steps_taken, (r["z3_between"], st)
         else:
             assert r["z3_between"] == r["stock_between"] and st["partitions_freed"] == 0, (r["z3_between"], st)
@@ -217,7 +218,7 @@ def _on_gpu(world):
 
 
 @pytest.mark.parametrize("world", _on_gpu(1) + _on_gpu(2))
-@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "free-grad-partitions",
+@pytest.mark.parametrize("case", ["ga3", "bf16-fp32-comm", "bf16-clip", "fp16-loss-scale", "keep-grad-partitions",
                                   "small-bucket", "small-bucket-bf16-fp32-comm"])
 def test_gradient_path_on_gpu(case, world):
     """NCCL, DeepSpeed's reduce stream and CUDA kernels: the same bits as stock (one rank: no collective,
