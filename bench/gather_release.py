@@ -496,6 +496,8 @@ def run(a):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
+    if rank == 0:
+        print(f"# building {len(names)} systems on each of {world} rank(s)", flush=True)
     systems, skipped = {}, {}
     for n in names:
         try:
@@ -876,16 +878,34 @@ def sim_out(out, world):
     return ["--out", str(p.with_name(f"{p.stem}-sim{world}{p.suffix or '.json'}"))]
 
 
+def say_start(a, how):
+    """The run's first lines, printed before anything slow (builds of ops, processes starting), so that a
+    new user never faces minutes of silence."""
+    names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
+    model = (f"GPT of {a.layers} blocks, hidden {a.hidden}" if a.model == "gpt" else
+             f"{a.layers} x Linear({a.hidden}, {a.hidden})")
+    print(f"# gather_release: {how}; model {model}; {len(names)} systems ({', '.join(names)}), each "
+          f"{a.rounds} round(s) x {a.steps} timed steps after {a.warmup} warm-up", flush=True)
+    cpu = "" if torch.cuda.is_available() else " and DeepSpeed its CPU communication op"
+    print(f"# the first run in a checkout builds z3ext's C++ ops (1-3 minutes; it prints when it starts and "
+          f"ends){cpu}; then the systems are built and timed, a bar counts the rounds", flush=True)
+
+
 def main(argv=None):
     a = parse(argv)
     argv = sys.argv[1:] if argv is None else argv
     if a.sim_world:  # one process on this device, rank 0 of the simulated world
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--sim-world runs one process: not under torchrun with several ranks")
+        say_start(a, f"one process, rank 0 of a {simworld.label(a.sim_world)}")
         return run_isolated(a, argv, 1) if a.isolated else _entry(a)
     if "RANK" in os.environ:  # under torchrun
+        if os.environ["RANK"] == "0":
+            say_start(a, f"{os.environ.get('WORLD_SIZE', '?')} ranks under torchrun")
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    say_start(a, f"starting {world} ranks, " + ("one per GPU" if torch.cuda.is_available() else
+                                                 "processes on this CPU talking through gloo (no GPU found)"))
     if a.isolated:
         run_isolated(a, argv, world)
     else:
