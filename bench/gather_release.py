@@ -8,7 +8,8 @@ On a machine with exactly one GPU and neither --world nor --sim-world, the world
 at all) is followed by a simulated world of 8 (`--sim-world 0` turns that off). A simulated world
 ([Note: simulated world], bench/simworld/noop_pg.cpp) shards, gathers, reduces and steps as rank 0 of
 N ranks through collectives that do nothing: per-rank memory and host time are real, communication
-time is zero and values are wrong. Results go to bench/out/ (untracked) unless --out is given.
+time is zero and values are wrong. Results go to a new bench/out/<machine>-<commit>-<UTC time>.json
+(untracked; the plot beside it) unless --out is given.
 
 All systems live in the same processes and are measured in interleaved rounds (median over rounds),
 so drift hits them alike. On CPU the numbers only show host overhead (gather/release bookkeeping),
@@ -38,9 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"  # default for every bench's results: git-ignored, so a run leaves the checkout clean
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import outname  # noqa: E402  (one results file per run)
 import simworld  # noqa: E402  (bench/simworld: the simulated world's backend)
+OUT_DIR = outname.OUT_DIR  # default for every bench's results: git-ignored, so a run leaves the checkout clean
 SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2", "stock-mel", "z3ext-mel", "fsdp2-mel")
 TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench linear])
 # "<system>-mel": the system under DeepSpeed's process-wide linear replacement ([Note: bench linear]):
@@ -783,7 +785,10 @@ def _entry(a):
 
 
 def report(res, a, machine, device):
-    out = Path(a.out) if a.out else OUT_DIR / f"{machine}{'-smoke' if a.smoke else ''}.json"
+    # Every run its own file (machine, commit, UTC time): a second run no longer overwrites the first.
+    rev, when = outname.commit(), outname.utc()
+    res["machine"].update(commit=rev, utc=when)
+    out = Path(a.out) if a.out else outname.stamped(f"{machine}{'-smoke' if a.smoke else ''}", rev, when)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     png = plot(res, out.with_suffix(".png"))
@@ -792,7 +797,9 @@ def report(res, a, machine, device):
     if a.isolated:
         print("# --isolated: each system ran alone in its own processes, one after another (not interleaved)")
     print(table(res, machine))
-    print(f"# wrote {out}" + (f" and {png}" if png else ""))
+    print(f"# results: {outname.shown(out)}")
+    if png:
+        print(f"# plot:    {outname.shown(png)}")
 
 
 def _without(argv, *options):
