@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostmem  # noqa: E402  (a CPU rank's memory, [Note: CPU peak])
 import outname  # noqa: E402  (one results file per run)
 import simworld  # noqa: E402  (bench/simworld: the simulated world's backend)
 OUT_DIR = outname.OUT_DIR  # default for every bench's results: git-ignored, so a run leaves the checkout clean
@@ -168,7 +169,10 @@ def build_system(name, a, device):
     import deepspeed_z3ext  # noqa: F401  (its seams must be installed before deepspeed.initialize)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    host = hostmem.HostMemory() if device.type == "cpu" else None
+    if host and host.error:
+        host = None
+    mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else host.in_use() if host else 0
     # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
     # (z3ext.free_grad_partitions true, the default), keepgrads (false: stock's partitions kept between steps,
@@ -246,6 +250,8 @@ def build_system(name, a, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
         sys_.resident = torch.cuda.memory_allocated() - mem0
+    elif host:  # [Note: CPU peak]
+        sys_.resident = host.in_use() - mem0
     return sys_
 
 
@@ -491,6 +497,19 @@ def _device_calls(device):
     return st.get("num_device_alloc", 0) + st.get("num_device_free", 0) + st.get("num_alloc_retries", 0)
 
 
+def prime(a):
+    """One throwaway training step and no_grad forward of a tiny plain model of the same kind, before any
+    system is built: torch's one-time allocations (its compiler stack, imported at an optimizer's first
+    use, about 24 MiB; thread pools) would otherwise count in the first system's CPU peak ([Note: CPU peak])."""
+    small = argparse.Namespace(**dict(vars(a), layers=1, hidden=64, heads=4, vocab=256, seq=min(a.seq, 8)))
+    model = make_model(small)
+    opt = _opt(model.parameters(), small, torch.device("cpu"))
+    model(make_input(small, "cpu")).backward()
+    opt.step()
+    with torch.no_grad():
+        model(make_input(small, "cpu", tiny=True))
+
+
 def run(a):
     import deepspeed
     import torch.distributed as dist
@@ -500,6 +519,8 @@ def run(a):
     names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
     if rank == 0:
         print(f"# building {len(names)} systems on each of {world} rank(s)", flush=True)
+    if device.type == "cpu":
+        prime(a)
     systems, skipped = {}, {}
     for n in names:
         try:
@@ -526,15 +547,18 @@ def run(a):
     # across its own calls: optimizer state, pools, parameters a tiny forward leaves gathered), since
     # the systems share the process and the others are idle meanwhile. Crediting memory held between
     # steps as "base" instead would favour a system that holds more between steps than at build
-    # (stock keeps what its no_grad forward gathered until the next forward).
+    # (stock keeps what its no_grad forward gathered until the next forward). On CPU the same from
+    # malloc's bytes in use and the rise of the resident high-water mark ([Note: CPU peak]).
     held = {n: s.resident for n, s in systems.items()}
     steps_run = {n: 0 for n in systems}
+    host = hostmem.HostMemory() if device.type == "cpu" else None
+    memory = device.type == "cuda" or (host is not None and host.error is None)
 
     def allocated():
-        if device.type != "cuda":
-            return 0
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return host.in_use() if memory else 0
 
     for rnd in range(a.rounds):
         for n, s in systems.items():  # interleaved: every round runs every system
@@ -544,14 +568,18 @@ def run(a):
                 time_train_step(s, x, clock)
                 time_tiny_forward(s, tiny, clock)
             held[n] += allocated() - before
-            if device.type == "cuda":
-                base = allocated()
-                torch.cuda.reset_peak_memory_stats()
             # The garbage of the systems before (four engines share the process) is collected before this
-            # one's timed steps, not during them; the collector stays on while they run.
+            # one's timed steps, not during them; the collector stays on while they run. Before `base`:
+            # what the collection frees is not this system's.
             gc.collect()
+            if memory:
+                base = allocated()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             pauses.clear()
             dev0 = _device_calls(device)
+            if host and memory:
+                rss0 = host.reset_peak()
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
                     steps_run[n] += 1
@@ -563,9 +591,10 @@ def run(a):
                     samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
             samples[n]["gc_ms"].append(sum(pauses) * 1e3 / a.steps)
             samples[n]["device_calls"].append((_device_calls(device) - dev0) / a.steps)
-            if device.type == "cuda":
-                samples[n]["peak"].append(held[n] + torch.cuda.max_memory_allocated() - base)
-                samples[n]["peak_over_base"].append(torch.cuda.max_memory_allocated() - base)
+            if memory:
+                rise = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else host.peak() - rss0
+                samples[n]["peak"].append(held[n] + rise)
+                samples[n]["peak_over_base"].append(rise)
                 samples[n]["held"].append(held[n])  # held when its timed steps started
                 samples[n]["base"].append(base)
                 held[n] += allocated() - base
@@ -579,6 +608,9 @@ def run(a):
     limit = None if a.sim_world else raw_all_gather(a, device, unit_bytes, n_params * elt,
                                                     repeats=max(a.rounds * a.steps, 3))
     result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
+    # What "peak" measured: the CUDA allocator, a CPU rank's malloc and resident memory ([Note: CPU peak]),
+    # or nothing, and why.
+    result["memory"] = "cuda" if device.type == "cuda" else "cpu" if memory else f"n/a: {host.error}"
     if a.sim_world:
         result["simulated_world"] = dict(world=world, backend=a.sim_backend, note=simworld.label(world))
     for n, smp in samples.items():
@@ -636,8 +668,17 @@ def make_model_meta(a):
         return make_model(a)
 
 
+def ratio_text(r):
+    return f"{r:.2f}" if r >= 0.01 else f"{r:.2g}"
+
+
+def mib_text(b, width=9):
+    mib = b / 2**20
+    return f"{mib:{width}.0f}" if mib >= 100 else f"{mib:{width}.2f}"
+
 def table(res, machine):
     s, lim, sim = res["systems"], res["limit"], res.get("simulated_world")
+    cuda = res.get("memory") == "cuda"
     lines = [f"# gather_release on {machine}: {res['n_params']/1e6:.1f}M params, world {res['world']}, "
              f"dtype {res['args']['dtype']}, model {res['args']['model']}"]
     if sim:
@@ -650,7 +691,7 @@ def table(res, machine):
     lines.append(f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
                  f"{'peak MiB':>9} {'params/rank':>12}")
     for n, m in s.items():
-        peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
+        peak = mib_text(m["peak"]) if "peak" in m else f"{'n/a (CPU)' if not cuda else 'n/a':>9}"
         lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak} "
                      f"{m.get('params_per_rank', 0):12,}")
     if any("power_W_median" in m for m in s.values()):
@@ -671,12 +712,12 @@ def table(res, machine):
         ratios = []
         for other in ("stock", "stock-mel", "z3ext-dsgrads", "fsdp2", "unsharded"):
             if other in s:
-                peak = f", peak {z['peak']/s[other]['peak']:.2f}x" if "peak" in z and "peak" in s[other] else ""
+                peak = f", peak {ratio_text(z['peak']/s[other]['peak'])}x" if "peak" in z and "peak" in s[other] else ""
                 ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
                               f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x{peak}")
         for variant in (n for n in s if n.startswith("z3ext-") and "fsdp2" in s):
             v, f = s[variant], s["fsdp2"]
-            peak = f", peak {v['peak']/f['peak']:.2f}x" if "peak" in v and "peak" in f else ""
+            peak = f", peak {ratio_text(v['peak']/f['peak'])}x" if "peak" in v and "peak" in f else ""
             ratios.append(f"{variant}/fsdp2: step {v['step']/f['step']:.2f}x{peak}")
         if lim:
             ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/lim['ms']:.2f}x")
