@@ -9,7 +9,8 @@ at all) is followed by a simulated world of 8 (`--sim-world 0` turns that off). 
 ([Note: simulated world], bench/simworld/noop_pg.cpp) shards, gathers, reduces and steps as rank 0 of
 N ranks through collectives that do nothing: per-rank memory and host time are real, communication
 time is zero and values are wrong. Results go to a new bench/out/<machine>-<commit>-<UTC time>.json
-(untracked; the plot beside it) unless --out is given.
+(untracked; the plot beside it) unless --out is given. A legend under the table says what each column
+and system name means.
 
 All systems live in the same processes and are measured in interleaved rounds (median over rounds),
 so drift hits them alike. On CPU the numbers only show host overhead (gather/release bookkeeping),
@@ -55,6 +56,28 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
 # "z3ext-divide" (stock's divide pass before the reduce-scatter: z3ext.divide_after_reduce false),
 # "z3ext@N" (the sweep).
+# What each name means in plain words, for the legend under the table (`legend`).
+BASES = {
+    "unsharded": "the whole model on every rank, plain PyTorch: nothing to fetch (the speed to aim for)",
+    "stock": "DeepSpeed ZeRO-3 as shipped: each rank keeps 1/N of the weights and fetches the rest from the "
+             "other ranks when a layer runs",
+    "z3ext": "the same ZeRO-3 engine with this package fetching and freeing the weights",
+    "fsdp2": "PyTorch's own sharding (FSDP2, one unit per block), the same idea as ZeRO-3",
+}
+VARIANTS = {
+    "mel": "with DeepSpeed's memory_efficient_linear on: every Linear layer in the process goes through "
+           "DeepSpeed's slower replacement (DeepSpeed's default for stock and z3ext; off in the others)",
+    "nohold": "z3ext with hold_for_backward off: weights fetched for the forward are fetched again for the backward",
+    "nopool": "z3ext with pool_budget_mb 0: freed weight buffers go back to torch instead of being reused",
+    "dsgrads": "z3ext with gradients reduced by DeepSpeed's own code (reduce_gradients false)",
+    "freegrads": "z3ext with free_grad_partitions true: gradient shares freed between steps",
+    "keepgrads": "z3ext with free_grad_partitions false: gradient shares kept between steps",
+    "nogroups": "z3ext fetching layer by layer (fetch_group_numel 0) instead of whole blocks at once",
+    "memberclaims": "z3ext re-fetching a block for backward layer by layer (fetch_group_claim_numel 0)",
+    "blockclaims": "z3ext re-fetching a block for backward all at once (fetch_group_claim_numel 1e12)",
+    "hpz": "ZeRO++ hpZ: a second copy of the weights shared within each node of --hpz ranks",
+    "divide": "z3ext dividing gradients before their reduction, as stock does (divide_after_reduce false)",
+}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -669,6 +692,16 @@ def make_model_meta(a):
         return make_model(a)
 
 
+def count_text(n):
+    """A number of weights, readable at any size: 83,200 -> "0.0832M", 6.7e9 -> "6.74B"."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def bandwidth_text(gbps):
+    """GB/s, or MB/s below 1 GB/s (a CPU run's gloo moves a few MB/s: "0.0 GB/s" said nothing)."""
+    return f"{gbps:.1f} GB/s" if gbps >= 1 else f"{gbps * 1e3:.1f} MB/s"
+
+
 def ratio_text(r):
     return f"{r:.2f}" if r >= 0.01 else f"{r:.2g}"
 
@@ -677,17 +710,18 @@ def mib_text(b, width=9):
     mib = b / 2**20
     return f"{mib:{width}.0f}" if mib >= 100 else f"{mib:{width}.2f}"
 
+
 def table(res, machine):
     s, lim, sim = res["systems"], res["limit"], res.get("simulated_world")
     cuda = res.get("memory") == "cuda"
-    lines = [f"# gather_release on {machine}: {res['n_params']/1e6:.1f}M params, world {res['world']}, "
+    lines = [f"# gather_release on {machine}: {count_text(res['n_params'])} params, world {res['world']}, "
              f"dtype {res['args']['dtype']}, model {res['args']['model']}"]
     if sim:
         lines.append(f"# {sim['note']} (backend {sim['backend']}: rank 0 of {sim['world']} on one device)")
     if lim:
         lines.append(f"# limit: all-gather of the model's bytes in {lim['units']} units of "
                      f"{lim['unit_bytes']/2**20:.2f} MiB: {lim['ms']:.3f} ms "
-                     f"(algbw {lim['algbw_GBps']:.1f} GB/s, busbw {lim['busbw_GBps']:.1f} GB/s); "
+                     f"(algbw {bandwidth_text(lim['algbw_GBps'])}, busbw {bandwidth_text(lim['busbw_GBps'])}); "
                      f"each unit as 4 tensors in one coalesced call: {lim.get('coalesced_ms', float('nan')):.3f} ms")
     lines.append(f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
                  f"{'peak MiB':>9} {'params/rank':>12}")
@@ -702,10 +736,12 @@ def table(res, machine):
                 lines.append(f"{n:>12} {m['sm_clock_MHz_median']:7.0f} [{m['sm_clock_MHz_min']:.0f}] MHz "
                              f"{m['power_W_median']:7.1f} [{m['power_W_max']:.1f}] W")
     if any(m.get("gc_ms", 0) or m.get("device_calls", 0) for m in s.values()):
-        lines.append("# per timed step (medians over rounds; [Note: bench host noise]): garbage collector ms, "
-                     "device allocator calls")
+        # A CPU run has no device allocator: its column would be zeros.
+        lines.append("# per timed step (medians over rounds; [Note: bench host noise]): garbage collector ms" +
+                     (", device allocator calls" if cuda else ""))
         for n, m in s.items():
-            lines.append(f"{n:>12} gc {m.get('gc_ms', 0):7.2f} ms  device allocs/frees/retries {m.get('device_calls', 0):7.1f}")
+            calls = f"  device allocs/frees/retries {m.get('device_calls', 0):7.1f}" if cuda else ""
+            lines.append(f"{n:>12} gc {m.get('gc_ms', 0):7.2f} ms{calls}")
     for n, why in res["skipped"].items():
         lines.append(f"{n:>12} skipped: {why}")
     if "z3ext" in s:
@@ -738,6 +774,7 @@ def table(res, machine):
                 lines.append(f"  {n}: gradient path {m['grad_flushes_per_step']:.1f} flushes, "
                              f"{m['grad_host_ms_per_step']:.2f} host ms per step")
     lines += targets(res)
+    lines += legend(res)
     return "\n".join(lines)
 
 
@@ -788,6 +825,85 @@ def targets(res):
         row("step / fsdp2 step (stretch goal)", ratio("step", "fsdp2"), 1.0)
     if "peak" in s["z3ext"] and "peak" in s["stock"]:
         row("peak / stock peak", ratio("peak", "stock"), 1.0)
+    return out
+
+
+def _wrapped(label, text, width=112):
+    """`#   label  text`, text wrapped under itself."""
+    import textwrap
+    head = f"#   {label:<17} "
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent="#" + " " * (len(head) - 1))
+
+
+def legend(res):
+    """What every column, line and system name of the table means, in plain words: printed under it."""
+    s, lim, memory = res["systems"], res["limit"], res.get("memory", "")
+    names = list(s) + list(res["skipped"])
+    out = ["# legend: systems (one row each; they take turns in the same processes, round after round, so a "
+           "slow moment hits them alike)"]
+    for base, what in BASES.items():
+        if any(n.split("#")[0].split("-")[0].split("@")[0] == base for n in names):
+            out += _wrapped(base, what)
+    for v, what in VARIANTS.items():
+        if any(v in n.split("#")[0].split("-")[1:] for n in names):
+            out += _wrapped(("<system>-" if v in ("mel", "hpz") else "z3ext-") + v, what)
+    if any("@" in n for n in names):
+        out += _wrapped("z3ext@N", "z3ext fetching at most N weights per transfer (--sweep)")
+    if any("#" in n for n in names):
+        out += _wrapped("<system>#K", "a second copy of <system>, built and run later in each round: how much "
+                                      "running later costs by itself")
+    out += _wrapped("fwd, bwd, opt ms", "time of one training step's forward pass, backward pass and optimizer "
+                                        "update; step ms: the three together. Median over all timed steps "
+                                        "(--rounds x --steps, after --warmup steps)")
+    out += _wrapped("tiny-fwd ms", "a forward pass on a one-row input without gradients: almost no arithmetic, so "
+                                   "it is the fixed cost of fetching and freeing every weight once (unsharded: of "
+                                   "just running the layers)")
+    if memory == "cuda":
+        out += _wrapped("peak MiB", "the most GPU memory torch's allocator held for this system: what it kept "
+                                    "between its steps plus the highest rise during its timed steps (MiB = 2^20 bytes)")
+    elif memory == "cpu":
+        out += _wrapped("peak MiB", "what this system kept between its calls (bytes in use in malloc, read from "
+                                    "glibc) plus the highest rise of this rank's memory in RAM (Linux's high-water "
+                                    "mark) during its timed steps. Counts all memory malloc hands out, not only "
+                                    "tensors (bench/hostmem.py, [Note: CPU peak]; MiB = 2^20 bytes)")
+    else:
+        out += _wrapped("peak MiB", f"n/a (CPU): {memory.partition(': ')[2] or 'not measured'}")
+    out += _wrapped("params/rank", "weights (single numbers, not tensors) this rank keeps between steps: its "
+                                   "share of the model; the unsharded model keeps all of them")
+    if lim:
+        cpu = " Here gloo between processes of one machine, in small units: the fixed cost of each call " \
+              "dominates, hence the low bandwidth." if memory != "cuda" else ""
+        out += _wrapped("limit", "the fastest these ranks can fetch the model's weights from one another: the same "
+                                 "bytes all-gathered in the same unit sizes with nothing else running. algbw: bytes "
+                                 "fetched per second; busbw: algbw x (ranks - 1) / ranks, what each link carried "
+                                 "(nccl-tests' terms)." + cpu)
+    if res.get("simulated_world"):
+        out += _wrapped("simulated world", "this process is rank 0 of N ranks whose communication does nothing: "
+                                           "memory and host time are real, communication is free, values wrong")
+    if "z3ext" in s:
+        out += _wrapped("ratios", "z3ext's median time (or peak) divided by another system's: below 1, z3ext is "
+                                  "faster (smaller)")
+        out += _wrapped("us per fetch unit", "tiny-fwd time divided by the layers that own weights (units) or by the "
+                                             "weight tensors: the host cost of fetching one")
+        if any("schedule_check_ms_per_step" in m for m in s.values()):
+            out += _wrapped("schedule check", "host time z3ext spends per step checking that every rank fetched the "
+                                              "same weights in the same order")
+        if any("grad_host_ms_per_step" in m for m in s.values()):
+            out += _wrapped("gradient path", "gradient batches z3ext reduced across ranks per step (flushes) and the "
+                                             "host time they took")
+    if any(m.get("gc_ms", 0) or m.get("device_calls", 0) for m in s.values()):
+        out += _wrapped("gc ms", "time Python's garbage collector ran per timed step" +
+                        ("; device allocs: calls of torch's GPU allocator into the driver per step" if memory == "cuda"
+                         else ""))
+    if all(n in s for n in ("z3ext", "stock", "unsharded")):
+        out += _wrapped("targets", "the project's performance goals, checked against this run. Each ratio is taken "
+                                   "once per round (per timed step if one round ran). met: even the worst round is "
+                                   "within the bound; MISSED: even the best round is over it; within noise: rounds "
+                                   "fall on both sides, the machine's noise is larger than the gap (more --rounds, "
+                                   "or a quieter machine, may decide it)")
+    if memory != "cuda" and not res.get("simulated_world"):
+        out += _wrapped("CPU run", "gloo ranks on CPU with a tiny model: the numbers show host overhead (the "
+                                   "bookkeeping of fetching and freeing), not what a GPU run would show")
     return out
 
 
