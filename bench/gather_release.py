@@ -908,23 +908,26 @@ def legend(res):
 
 
 def plot(res, path):
+    """Step time per system, the gather speed a tiny forward achieves against the limit, and the peak
+    when measured: whatever this device measured (a CPU run too)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("# no plot: matplotlib is not installed (pip install matplotlib)")
         return None
     s = res["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(s)
+    peaks = [n for n in names if "peak" in s[n]]
+    fig, axes = plt.subplots(1, 3 if peaks else 2, figsize=(15 if peaks else 10, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     bottom = [0.0] * len(names)
     for part in ("fwd", "bwd", "opt"):
         vals = [s[n][part] for n in names]
         ax1.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.set_ylabel("ms per training step")
-    if res.get("simulated_world"):
-        fig.suptitle(res["simulated_world"]["note"])
+    ax1.set_ylabel("ms per training step (median)")
     ax1.legend()
     model_bytes = res["n_params"] * (2 if res["args"]["dtype"] == "bf16" else 4)
     bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n != "unsharded"}
@@ -932,8 +935,24 @@ def plot(res, path):
         bw["limit"] = res["limit"]["algbw_GBps"]
     ax2.bar(list(bw), list(bw.values()))
     ax2.set_ylabel("achieved gather GB/s (model bytes / tiny forward)")
+    if peaks:
+        mib = [s[n]["peak"] / 2**20 for n in peaks]
+        axes[2].bar_label(axes[2].bar(peaks, mib), fmt="%.4g")
+        if min(mib) > 0 and max(mib) > 100 * min(mib):  # stock's 2 GB CPU reduce bucket beside 3 MiB
+            axes[2].set_yscale("log")
+        axes[2].set_ylabel("peak MiB per rank" + (" (malloc held + resident rise)" if res.get("memory") == "cpu" else ""))
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=45)
+    m = res.get("machine", {})
+    title = f"{m.get('name', '')} {m.get('commit', '')} {count_text(res['n_params'])} params, world {res['world']}"
+    if res.get("simulated_world"):
+        title += f"; {res['simulated_world']['note']}"
+    elif res.get("memory") != "cuda":
+        title += "; CPU: host overhead only"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
     return path
 
 
