@@ -839,8 +839,11 @@ def legend(res):
     """What every column, line and system name of the table means, in plain words: printed under it."""
     s, lim, memory = res["systems"], res["limit"], res.get("memory", "")
     names = list(s) + list(res["skipped"])
-    out = ["# legend: systems (one row each; they take turns in the same processes, round after round, so a "
-           "slow moment hits them alike)"]
+    out = ["# legend: systems (one row each; " + ("with --isolated each ran alone in its own processes, one after "
+                                                  "another, so compare only runs made back to back)" if
+                                                  res["args"].get("isolated") else
+                                                  "they take turns in the same processes, round after round, so a "
+                                                  "slow moment hits them alike)")]
     for base, what in BASES.items():
         if any(n.split("#")[0].split("-")[0].split("@")[0] == base for n in names):
             out += _wrapped(base, what)
@@ -865,7 +868,9 @@ def legend(res):
         out += _wrapped("peak MiB", "what this system kept between its calls (bytes in use in malloc, read from "
                                     "glibc) plus the highest rise of this rank's memory in RAM (Linux's high-water "
                                     "mark) during its timed steps. Counts all memory malloc hands out, not only "
-                                    "tensors (bench/hostmem.py, [Note: CPU peak]; MiB = 2^20 bytes)")
+                                    "tensors, so the first DeepSpeed engine of a process also carries DeepSpeed's "
+                                    "one-time allocations (about 15 MiB): stock's row, or every engine's with "
+                                    "--isolated (bench/hostmem.py, [Note: CPU peak]; MiB = 2^20 bytes)")
     else:
         out += _wrapped("peak MiB", f"n/a (CPU): {memory.partition(': ')[2] or 'not measured'}")
     out += _wrapped("params/rank", "weights (single numbers, not tensors) this rank keeps between steps: its "

@@ -12,9 +12,12 @@ high-water mark since a reset. CPU tensors come from malloc, which keeps no high
   calls: how far resident memory rose above where it stood.
 Both count all that malloc hands out (tensors, C++ objects, large Python objects), not tensors only;
 the rise is counted in pages (4 KiB) and also covers pages that Python's small-object arenas or a
-library loaded during the calls first touch. One-time allocations of a library (torch imports its
-compiler stack at an optimizer's first step) would count as the first system's: gather_release runs a
-throwaway step first (`prime`). Where a counter is missing (not Linux, not glibc, a kernel
+library loaded during the calls first touch. One-time allocations of a library count as the first
+system's that makes them: gather_release runs a throwaway step of a plain model first (`prime`: torch
+imports its compiler stack, about 24 MiB, at an optimizer's first step), but the first DeepSpeed engine
+of a process still carries DeepSpeed's (about 15 MiB in the 2-rank CPU smoke run: z3ext's peak with
+--isolated against without); stock's, built first, dwarfs them (DeepSpeed allocates its 5e8-element
+reduce bucket at initialize, 1.9 GiB in fp32, untouched on a small model but allocated). Where a counter is missing (not Linux, not glibc, a kernel
 that refuses the reset) `HostMemory.error` says which, and the benches print "n/a (CPU)".
 """
 import ctypes
