@@ -907,8 +907,11 @@ def legend(res):
                                    "fall on both sides, the machine's noise is larger than the gap (more --rounds, "
                                    "or a quieter machine, may decide it)")
     if memory != "cuda" and not res.get("simulated_world"):
+        threads = res.get("machine", {}).get("threads")
         out += _wrapped("CPU run", "gloo ranks on CPU with a tiny model: the numbers show host overhead (the "
-                                   "bookkeeping of fetching and freeing), not what a GPU run would show")
+                                   "bookkeeping of fetching and freeing), not what a GPU run would show" +
+                        (f"; each rank computes on {threads} thread(s), the cores split between the ranks as "
+                         f"under torchrun" if threads else ""))
     return out
 
 
@@ -987,7 +990,8 @@ def _entry(a):
         res["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__,
                               deepspeed=deepspeed.__version__, python=platform.python_version(),
                               nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-                              driver=_driver(), cpu=platform.processor() or platform.machine())
+                              driver=_driver(), cpu=platform.processor() or platform.machine(),
+                              threads=torch.get_num_threads())
         report(res, a, machine, device)
     dist.barrier()
     dist.destroy_process_group()
@@ -1069,6 +1073,11 @@ def _spawned(rank, world, port, target, argv):
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+        # Ranks sharing the CPU split its cores, as under torchrun (OMP_NUM_THREADS=1): 2 ranks of 2 threads
+        # each on 2 cores made whole steps wait for a descheduled thread, 100-250 ms optimizer steps instead
+        # of 2 ms, in some runs and not others.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     target(argv)
 
 
