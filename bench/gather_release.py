@@ -8,7 +8,9 @@ On a machine with exactly one GPU and neither --world nor --sim-world, the world
 at all) is followed by a simulated world of 8 (`--sim-world 0` turns that off). A simulated world
 ([Note: simulated world], bench/simworld/noop_pg.cpp) shards, gathers, reduces and steps as rank 0 of
 N ranks through collectives that do nothing: per-rank memory and host time are real, communication
-time is zero and values are wrong. Results go to bench/out/ (untracked) unless --out is given.
+time is zero and values are wrong. Results go to a new bench/out/<machine>-<commit>-<UTC time>.json
+(untracked; the plot beside it) unless --out is given. A legend under the table says what each column
+and system name means.
 
 All systems live in the same processes and are measured in interleaved rounds (median over rounds),
 so drift hits them alike. On CPU the numbers only show host overhead (gather/release bookkeeping),
@@ -38,9 +40,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "bench" / "out"  # default for every bench's results: git-ignored, so a run leaves the checkout clean
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostmem  # noqa: E402  (a CPU rank's memory, [Note: CPU peak])
+import outname  # noqa: E402  (one results file per run)
 import simworld  # noqa: E402  (bench/simworld: the simulated world's backend)
+OUT_DIR = outname.OUT_DIR  # default for every bench's results: git-ignored, so a run leaves the checkout clean
 SYSTEMS = ("unsharded", "stock", "z3ext", "fsdp2", "stock-mel", "z3ext-mel", "fsdp2-mel")
 TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench linear])
 # "<system>-mel": the system under DeepSpeed's process-wide linear replacement ([Note: bench linear]):
@@ -52,6 +56,28 @@ TORCH_LINEAR = F.linear  # before any zero.Init can replace it ([Note: bench lin
 # gathered again for backward member by member / as one unit: z3ext.fetch_group_claim_numel 0 / 1e12),
 # "z3ext-divide" (stock's divide pass before the reduce-scatter: z3ext.divide_after_reduce false),
 # "z3ext@N" (the sweep).
+# What each name means in plain words, for the legend under the table (`legend`).
+BASES = {
+    "unsharded": "the whole model on every rank, plain PyTorch: nothing to fetch (the speed to aim for)",
+    "stock": "DeepSpeed ZeRO-3 as shipped: each rank keeps 1/N of the weights and fetches the rest from the "
+             "other ranks when a layer runs",
+    "z3ext": "the same ZeRO-3 engine with this package fetching and freeing the weights",
+    "fsdp2": "PyTorch's own sharding (FSDP2, one unit per block), the same idea as ZeRO-3",
+}
+VARIANTS = {
+    "mel": "with DeepSpeed's memory_efficient_linear on: every Linear layer in the process goes through "
+           "DeepSpeed's slower replacement (DeepSpeed's default for stock and z3ext; off in the others)",
+    "nohold": "z3ext with hold_for_backward off: weights fetched for the forward are fetched again for the backward",
+    "nopool": "z3ext with pool_budget_mb 0: freed weight buffers go back to torch instead of being reused",
+    "dsgrads": "z3ext with gradients reduced by DeepSpeed's own code (reduce_gradients false)",
+    "freegrads": "z3ext with free_grad_partitions true: gradient shares freed between steps",
+    "keepgrads": "z3ext with free_grad_partitions false: gradient shares kept between steps",
+    "nogroups": "z3ext fetching layer by layer (fetch_group_numel 0) instead of whole blocks at once",
+    "memberclaims": "z3ext re-fetching a block for backward layer by layer (fetch_group_claim_numel 0)",
+    "blockclaims": "z3ext re-fetching a block for backward all at once (fetch_group_claim_numel 1e12)",
+    "hpz": "ZeRO++ hpZ: a second copy of the weights shared within each node of --hpz ranks",
+    "divide": "z3ext dividing gradients before their reduction, as stock does (divide_after_reduce false)",
+}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -166,7 +192,10 @@ def build_system(name, a, device):
     import deepspeed_z3ext  # noqa: F401  (its seams must be installed before deepspeed.initialize)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    host = hostmem.HostMemory() if device.type == "cpu" else None
+    if host and host.error:
+        host = None
+    mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else host.in_use() if host else 0
     # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
     # (z3ext.free_grad_partitions true, the default), keepgrads (false: stock's partitions kept between steps,
@@ -244,6 +273,8 @@ def build_system(name, a, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
         sys_.resident = torch.cuda.memory_allocated() - mem0
+    elif host:  # [Note: CPU peak]
+        sys_.resident = host.in_use() - mem0
     return sys_
 
 
@@ -370,8 +401,8 @@ def parse(argv=None):
         p.error("--sim-world takes a number of ranks (0: no simulated world)")
     if a.sim_world and a.world:
         p.error("--sim-world and --world exclude each other (a simulated world runs one process)")
-    if a.smoke:
-        a.layers, a.steps, a.rounds, a.warmup = min(a.layers, 20), 2, 1, 1
+    if a.smoke:  # three rounds: the targets' spread is over rounds (`targets`)
+        a.layers, a.steps, a.rounds, a.warmup = min(a.layers, 20), 2, 3, 1
     return a
 
 
@@ -489,6 +520,19 @@ def _device_calls(device):
     return st.get("num_device_alloc", 0) + st.get("num_device_free", 0) + st.get("num_alloc_retries", 0)
 
 
+def prime(a):
+    """One throwaway training step and no_grad forward of a tiny plain model of the same kind, before any
+    system is built: torch's one-time allocations (its compiler stack, imported at an optimizer's first
+    use, about 24 MiB; thread pools) would otherwise count in the first system's CPU peak ([Note: CPU peak])."""
+    small = argparse.Namespace(**dict(vars(a), layers=1, hidden=64, heads=4, vocab=256, seq=min(a.seq, 8)))
+    model = make_model(small)
+    opt = _opt(model.parameters(), small, torch.device("cpu"))
+    model(make_input(small, "cpu")).backward()
+    opt.step()
+    with torch.no_grad():
+        model(make_input(small, "cpu", tiny=True))
+
+
 def run(a):
     import deepspeed
     import torch.distributed as dist
@@ -496,6 +540,10 @@ def run(a):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
+    if rank == 0:
+        print(f"# building {len(names)} systems on each of {world} rank(s)", flush=True)
+    if device.type == "cpu":
+        prime(a)
     systems, skipped = {}, {}
     for n in names:
         try:
@@ -522,15 +570,18 @@ def run(a):
     # across its own calls: optimizer state, pools, parameters a tiny forward leaves gathered), since
     # the systems share the process and the others are idle meanwhile. Crediting memory held between
     # steps as "base" instead would favour a system that holds more between steps than at build
-    # (stock keeps what its no_grad forward gathered until the next forward).
+    # (stock keeps what its no_grad forward gathered until the next forward). On CPU the same from
+    # malloc's bytes in use and the rise of the resident high-water mark ([Note: CPU peak]).
     held = {n: s.resident for n, s in systems.items()}
     steps_run = {n: 0 for n in systems}
+    host = hostmem.HostMemory() if device.type == "cpu" else None
+    memory = device.type == "cuda" or (host is not None and host.error is None)
 
     def allocated():
-        if device.type != "cuda":
-            return 0
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        return host.in_use() if memory else 0
 
     for rnd in range(a.rounds):
         for n, s in systems.items():  # interleaved: every round runs every system
@@ -540,14 +591,18 @@ def run(a):
                 time_train_step(s, x, clock)
                 time_tiny_forward(s, tiny, clock)
             held[n] += allocated() - before
-            if device.type == "cuda":
-                base = allocated()
-                torch.cuda.reset_peak_memory_stats()
             # The garbage of the systems before (four engines share the process) is collected before this
-            # one's timed steps, not during them; the collector stays on while they run.
+            # one's timed steps, not during them; the collector stays on while they run. Before `base`:
+            # what the collection frees is not this system's.
             gc.collect()
+            if memory:
+                base = allocated()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             pauses.clear()
             dev0 = _device_calls(device)
+            if host and memory:
+                rss0 = host.reset_peak()
             with nvml.during(gpu[n]):
                 for _ in range(a.steps):
                     steps_run[n] += 1
@@ -559,9 +614,10 @@ def run(a):
                     samples[n]["tiny"].append(time_tiny_forward(s, tiny, clock))
             samples[n]["gc_ms"].append(sum(pauses) * 1e3 / a.steps)
             samples[n]["device_calls"].append((_device_calls(device) - dev0) / a.steps)
-            if device.type == "cuda":
-                samples[n]["peak"].append(held[n] + torch.cuda.max_memory_allocated() - base)
-                samples[n]["peak_over_base"].append(torch.cuda.max_memory_allocated() - base)
+            if memory:
+                rise = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else host.peak() - rss0
+                samples[n]["peak"].append(held[n] + rise)
+                samples[n]["peak_over_base"].append(rise)
                 samples[n]["held"].append(held[n])  # held when its timed steps started
                 samples[n]["base"].append(base)
                 held[n] += allocated() - base
@@ -575,6 +631,9 @@ def run(a):
     limit = None if a.sim_world else raw_all_gather(a, device, unit_bytes, n_params * elt,
                                                     repeats=max(a.rounds * a.steps, 3))
     result = dict(systems={}, skipped=skipped, limit=limit, n_params=n_params, args=vars(a), world=world)
+    # What "peak" measured: the CUDA allocator, a CPU rank's malloc and resident memory ([Note: CPU peak]),
+    # or nothing, and why.
+    result["memory"] = "cuda" if device.type == "cuda" else "cpu" if memory else f"n/a: {host.error}"
     if a.sim_world:
         result["simulated_world"] = dict(world=world, backend=a.sim_backend, note=simworld.label(world))
     for n, smp in samples.items():
@@ -598,6 +657,7 @@ def run(a):
                 med["grad_host_ms_per_step"] = grads.host_seconds * 1e3 / steps_run[n]
         med["params_per_rank"] = params_per_rank(systems[n])
         med["samples_ms"] = {k: smp[k] for k in ("fwd", "bwd", "opt", "tiny") if smp[k]}  # every timed step, in order
+        med["per_round"] = per_round(smp, a)
         result["systems"][n] = med
     # Host microseconds per fetch unit and per parameter for the ZeRO-3 systems (tiny forward is gather-bound).
     n_tensors = sum(1 for _ in make_model_meta(a).parameters())
@@ -632,21 +692,41 @@ def make_model_meta(a):
         return make_model(a)
 
 
+def count_text(n):
+    """A number of weights, readable at any size: 83,200 -> "0.0832M", 6.7e9 -> "6.74B"."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def bandwidth_text(gbps):
+    """GB/s, or MB/s below 1 GB/s (a CPU run's gloo moves a few MB/s: "0.0 GB/s" said nothing)."""
+    return f"{gbps:.1f} GB/s" if gbps >= 1 else f"{gbps * 1e3:.1f} MB/s"
+
+
+def ratio_text(r):
+    return f"{r:.2f}" if r >= 0.01 else f"{r:.2g}"
+
+
+def mib_text(b, width=9):
+    mib = b / 2**20
+    return f"{mib:{width}.0f}" if mib >= 100 else f"{mib:{width}.2f}"
+
+
 def table(res, machine):
     s, lim, sim = res["systems"], res["limit"], res.get("simulated_world")
-    lines = [f"# gather_release on {machine}: {res['n_params']/1e6:.1f}M params, world {res['world']}, "
+    cuda = res.get("memory") == "cuda"
+    lines = [f"# gather_release on {machine}: {count_text(res['n_params'])} params, world {res['world']}, "
              f"dtype {res['args']['dtype']}, model {res['args']['model']}"]
     if sim:
         lines.append(f"# {sim['note']} (backend {sim['backend']}: rank 0 of {sim['world']} on one device)")
     if lim:
         lines.append(f"# limit: all-gather of the model's bytes in {lim['units']} units of "
                      f"{lim['unit_bytes']/2**20:.2f} MiB: {lim['ms']:.3f} ms "
-                     f"(algbw {lim['algbw_GBps']:.1f} GB/s, busbw {lim['busbw_GBps']:.1f} GB/s); "
+                     f"(algbw {bandwidth_text(lim['algbw_GBps'])}, busbw {bandwidth_text(lim['busbw_GBps'])}); "
                      f"each unit as 4 tensors in one coalesced call: {lim.get('coalesced_ms', float('nan')):.3f} ms")
     lines.append(f"{'system':>12} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>9} {'step ms':>9} {'tiny-fwd ms':>12} "
                  f"{'peak MiB':>9} {'params/rank':>12}")
     for n, m in s.items():
-        peak = f"{m['peak']/2**20:9.0f}" if "peak" in m else f"{'-':>9}"
+        peak = mib_text(m["peak"]) if "peak" in m else f"{'n/a (CPU)' if not cuda else 'n/a':>9}"
         lines.append(f"{n:>12} {m['fwd']:9.2f} {m['bwd']:9.2f} {m['opt']:9.2f} {m['step']:9.2f} {m['tiny']:12.3f} {peak} "
                      f"{m.get('params_per_rank', 0):12,}")
     if any("power_W_median" in m for m in s.values()):
@@ -656,10 +736,12 @@ def table(res, machine):
                 lines.append(f"{n:>12} {m['sm_clock_MHz_median']:7.0f} [{m['sm_clock_MHz_min']:.0f}] MHz "
                              f"{m['power_W_median']:7.1f} [{m['power_W_max']:.1f}] W")
     if any(m.get("gc_ms", 0) or m.get("device_calls", 0) for m in s.values()):
-        lines.append("# per timed step (medians over rounds; [Note: bench host noise]): garbage collector ms, "
-                     "device allocator calls")
+        # A CPU run has no device allocator: its column would be zeros.
+        lines.append("# per timed step (medians over rounds; [Note: bench host noise]): garbage collector ms" +
+                     (", device allocator calls" if cuda else ""))
         for n, m in s.items():
-            lines.append(f"{n:>12} gc {m.get('gc_ms', 0):7.2f} ms  device allocs/frees/retries {m.get('device_calls', 0):7.1f}")
+            calls = f"  device allocs/frees/retries {m.get('device_calls', 0):7.1f}" if cuda else ""
+            lines.append(f"{n:>12} gc {m.get('gc_ms', 0):7.2f} ms{calls}")
     for n, why in res["skipped"].items():
         lines.append(f"{n:>12} skipped: {why}")
     if "z3ext" in s:
@@ -667,12 +749,12 @@ def table(res, machine):
         ratios = []
         for other in ("stock", "stock-mel", "z3ext-dsgrads", "fsdp2", "unsharded"):
             if other in s:
-                peak = f", peak {z['peak']/s[other]['peak']:.2f}x" if "peak" in z and "peak" in s[other] else ""
+                peak = f", peak {ratio_text(z['peak']/s[other]['peak'])}x" if "peak" in z and "peak" in s[other] else ""
                 ratios.append(f"z3ext/{other}: step {z['step']/s[other]['step']:.2f}x, fwd {z['fwd']/s[other]['fwd']:.2f}x, "
                               f"tiny-fwd {z['tiny']/s[other]['tiny']:.2f}x{peak}")
         for variant in (n for n in s if n.startswith("z3ext-") and "fsdp2" in s):
             v, f = s[variant], s["fsdp2"]
-            peak = f", peak {v['peak']/f['peak']:.2f}x" if "peak" in v and "peak" in f else ""
+            peak = f", peak {ratio_text(v['peak']/f['peak'])}x" if "peak" in v and "peak" in f else ""
             ratios.append(f"{variant}/fsdp2: step {v['step']/f['step']:.2f}x{peak}")
         if lim:
             ratios.append(f"z3ext/limit: tiny-fwd {z['tiny']/lim['ms']:.2f}x")
@@ -692,50 +774,168 @@ def table(res, machine):
                 lines.append(f"  {n}: gradient path {m['grad_flushes_per_step']:.1f} flushes, "
                              f"{m['grad_host_ms_per_step']:.2f} host ms per step")
     lines += targets(res)
+    lines += legend(res)
     return "\n".join(lines)
 
 
+def per_round(smp, a):
+    """One value per round, the median of its timed steps (one per timed step when a single round ran):
+    what the targets' spread is made of. Peaks are one per round already."""
+    k = a.steps if a.rounds > 1 else 1
+    out = {p: [statistics.median(smp[p][i:i + k]) for i in range(0, len(smp[p]), k)]
+           for p in ("fwd", "bwd", "opt", "step", "tiny") if smp[p]}
+    if smp["peak"]:
+        out["peak"] = list(smp["peak"])
+    return out
+
+
+def verdict(values, bound):
+    """"met" if even the worst value is within `bound`, "MISSED" if even the best is over it, otherwise
+    "within noise": the values straddle the bound, so a verdict from one median would flip between runs."""
+    return "met" if max(values) <= bound else "MISSED" if min(values) > bound else "within noise"
+
+
 def targets(res):
-    """Issue 9's targets, checked on this run (each against systems measured in it)."""
+    """Issue 9's targets, checked on this run (each against systems measured in it): one ratio per round,
+    shown as median [lowest-highest] with `verdict`'s word."""
     s, out = res["systems"], []
     if not all(n in s for n in ("z3ext", "stock", "unsharded")):
         return out
 
-    def row(what, value, bound, ok):
-        out.append(f"  {what:<44} {value:>9.2f} {'<=' if ok else '> '} {bound:<9.2f} {'met' if ok else 'MISSED'}")
+    def of(n, part):  # per round; a result from before per_round: its one median
+        return s[n].get("per_round", {}).get(part) or [s[n][part]]
 
-    z, st, u = s["z3ext"], s["stock"], s["unsharded"]
-    out.append("# targets (z3ext vs systems of this run)")
-    row("fwd / unsharded fwd", z["fwd"] / u["fwd"], 1.15, z["fwd"] / u["fwd"] <= 1.15)
+    def row(what, values, bound):
+        lo, med, hi = min(values), statistics.median(values), max(values)
+        out.append(f"  {what:<44} {med:6.2f} [{lo:.2f}-{hi:.2f}]  want <= {bound:<5.2f} {verdict(values, bound)}")
+
+    def ratio(part, other):
+        return [x / y for x, y in zip(of("z3ext", part), of(other, part))]
+
+    rounds = res["args"]["rounds"]
+    unit = f"{rounds} rounds" if rounds > 1 else f"the {res['args']['steps']} timed steps of its one round"
+    out.append(f"# targets: z3ext against the other systems of this run, each ratio's median [lowest-highest] "
+               f"over {unit}")
+    row("fwd / unsharded fwd", ratio("fwd", "unsharded"), 1.15)
     if res["limit"]:
-        bound = 1.5 * max(res["limit"]["ms"], u["tiny"])
-        row("tiny fwd ms / 1.5 x max(limit, unsharded)", z["tiny"], bound, z["tiny"] <= bound)
-    row("step / stock step (want <= 0.5)", z["step"] / st["step"], 0.5, z["step"] / st["step"] <= 0.5)
+        row("tiny fwd / max(limit, unsharded tiny fwd)",
+            [z / max(res["limit"]["ms"], u) for z, u in zip(of("z3ext", "tiny"), of("unsharded", "tiny"))], 1.5)
+    row("step / stock step", ratio("step", "stock"), 0.5)
     if "fsdp2" in s:
-        row("step / fsdp2 step (stretch)", z["step"] / s["fsdp2"]["step"], 1.0, z["step"] <= s["fsdp2"]["step"])
-    if "peak" in z and "peak" in st:
-        row("peak MiB / stock peak MiB", z["peak"] / st["peak"], 1.0, z["peak"] <= st["peak"])
+        row("step / fsdp2 step (stretch goal)", ratio("step", "fsdp2"), 1.0)
+    if "peak" in s["z3ext"] and "peak" in s["stock"]:
+        row("peak / stock peak", ratio("peak", "stock"), 1.0)
+    return out
+
+
+def _wrapped(label, text, width=112):
+    """`#   label  text`, text wrapped under itself."""
+    import textwrap
+    head = f"#   {label:<17} "
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent="#" + " " * (len(head) - 1))
+
+
+def legend(res):
+    """What every column, line and system name of the table means, in plain words: printed under it."""
+    s, lim, memory = res["systems"], res["limit"], res.get("memory", "")
+    names = list(s) + list(res["skipped"])
+    out = ["# legend: systems (one row each; " + ("with --isolated each ran alone in its own processes, one after "
+                                                  "another, so compare only runs made back to back)" if
+                                                  res["args"].get("isolated") else
+                                                  "they take turns in the same processes, round after round, so a "
+                                                  "slow moment hits them alike)")]
+    for base, what in BASES.items():
+        if any(n.split("#")[0].split("-")[0].split("@")[0] == base for n in names):
+            out += _wrapped(base, what)
+    for v, what in VARIANTS.items():
+        if any(v in n.split("#")[0].split("-")[1:] for n in names):
+            out += _wrapped(("<system>-" if v in ("mel", "hpz") else "z3ext-") + v, what)
+    if any("@" in n for n in names):
+        out += _wrapped("z3ext@N", "z3ext fetching at most N weights per transfer (--sweep)")
+    if any("#" in n for n in names):
+        out += _wrapped("<system>#K", "a second copy of <system>, built and run later in each round: how much "
+                                      "running later costs by itself")
+    out += _wrapped("fwd, bwd, opt ms", "time of one training step's forward pass, backward pass and optimizer "
+                                        "update; step ms: the three together. Median over all timed steps "
+                                        "(--rounds x --steps, after --warmup steps)")
+    out += _wrapped("tiny-fwd ms", "a forward pass on a one-row input without gradients: almost no arithmetic, so "
+                                   "it is the fixed cost of fetching and freeing every weight once (unsharded: of "
+                                   "just running the layers)")
+    if memory == "cuda":
+        out += _wrapped("peak MiB", "the most GPU memory torch's allocator held for this system: what it kept "
+                                    "between its steps plus the highest rise during its timed steps (MiB = 2^20 bytes)")
+    elif memory == "cpu":
+        out += _wrapped("peak MiB", "what this system kept between its calls (bytes in use in malloc, read from "
+                                    "glibc) plus the highest rise of this rank's memory in RAM (Linux's high-water "
+                                    "mark) during its timed steps. Counts all memory malloc hands out, not only "
+                                    "tensors, so the first DeepSpeed engine of a process also carries DeepSpeed's "
+                                    "one-time allocations (about 15 MiB): stock's row, or every engine's with "
+                                    "--isolated (bench/hostmem.py, [Note: CPU peak]; MiB = 2^20 bytes)")
+    else:
+        out += _wrapped("peak MiB", f"n/a (CPU): {memory.partition(': ')[2] or 'not measured'}")
+    out += _wrapped("params/rank", "weights (single numbers, not tensors) this rank keeps between steps: its "
+                                   "share of the model; the unsharded model keeps all of them")
+    if lim:
+        cpu = " Here gloo between processes of one machine, in small units: the fixed cost of each call " \
+              "dominates, hence the low bandwidth." if memory != "cuda" else ""
+        out += _wrapped("limit", "the fastest these ranks can fetch the model's weights from one another: the same "
+                                 "bytes all-gathered in the same unit sizes with nothing else running. algbw: bytes "
+                                 "fetched per second; busbw: algbw x (ranks - 1) / ranks, what each link carried "
+                                 "(nccl-tests' terms)." + cpu)
+    if res.get("simulated_world"):
+        out += _wrapped("simulated world", "this process is rank 0 of N ranks whose communication does nothing: "
+                                           "memory and host time are real, communication is free, values wrong")
+    if "z3ext" in s:
+        out += _wrapped("ratios", "z3ext's median time (or peak) divided by another system's: below 1, z3ext is "
+                                  "faster (smaller)")
+        out += _wrapped("us per fetch unit", "tiny-fwd time divided by the layers that own weights (units) or by the "
+                                             "weight tensors: the host cost of fetching one")
+        if any("schedule_check_ms_per_step" in m for m in s.values()):
+            out += _wrapped("schedule check", "host time z3ext spends per step checking that every rank fetched the "
+                                              "same weights in the same order")
+        if any("grad_host_ms_per_step" in m for m in s.values()):
+            out += _wrapped("gradient path", "gradient batches z3ext reduced across ranks per step (flushes) and the "
+                                             "host time they took")
+    if any(m.get("gc_ms", 0) or m.get("device_calls", 0) for m in s.values()):
+        out += _wrapped("gc ms", "time Python's garbage collector ran per timed step" +
+                        ("; device allocs: calls of torch's GPU allocator into the driver per step" if memory == "cuda"
+                         else ""))
+    if all(n in s for n in ("z3ext", "stock", "unsharded")):
+        out += _wrapped("targets", "the project's performance goals, checked against this run. Each ratio is taken "
+                                   "once per round (per timed step if one round ran). met: even the worst round is "
+                                   "within the bound; MISSED: even the best round is over it; within noise: rounds "
+                                   "fall on both sides, the machine's noise is larger than the gap (more --rounds, "
+                                   "or a quieter machine, may decide it)")
+    if memory != "cuda" and not res.get("simulated_world"):
+        threads = res.get("machine", {}).get("threads")
+        out += _wrapped("CPU run", "gloo ranks on CPU with a tiny model: the numbers show host overhead (the "
+                                   "bookkeeping of fetching and freeing), not what a GPU run would show" +
+                        (f"; each rank computes on {threads} thread(s), the cores split between the ranks as "
+                         f"under torchrun" if threads else ""))
     return out
 
 
 def plot(res, path):
+    """Step time per system, the gather speed a tiny forward achieves against the limit, and the peak
+    when measured: whatever this device measured (a CPU run too)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("# no plot: matplotlib is not installed (pip install matplotlib)")
         return None
     s = res["systems"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(s)
+    peaks = [n for n in names if "peak" in s[n]]
+    fig, axes = plt.subplots(1, 3 if peaks else 2, figsize=(15 if peaks else 10, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     bottom = [0.0] * len(names)
     for part in ("fwd", "bwd", "opt"):
         vals = [s[n][part] for n in names]
         ax1.bar(names, vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax1.set_ylabel("ms per training step")
-    if res.get("simulated_world"):
-        fig.suptitle(res["simulated_world"]["note"])
+    ax1.set_ylabel("ms per training step (median)")
     ax1.legend()
     model_bytes = res["n_params"] * (2 if res["args"]["dtype"] == "bf16" else 4)
     bw = {n: model_bytes / (s[n]["tiny"] / 1e3) / 1e9 for n in names if n != "unsharded"}
@@ -743,8 +943,24 @@ def plot(res, path):
         bw["limit"] = res["limit"]["algbw_GBps"]
     ax2.bar(list(bw), list(bw.values()))
     ax2.set_ylabel("achieved gather GB/s (model bytes / tiny forward)")
+    if peaks:
+        mib = [s[n]["peak"] / 2**20 for n in peaks]
+        axes[2].bar_label(axes[2].bar(peaks, mib), fmt="%.4g")
+        if min(mib) > 0 and max(mib) > 100 * min(mib):  # stock's 2 GB CPU reduce bucket beside 3 MiB
+            axes[2].set_yscale("log")
+        axes[2].set_ylabel("peak MiB per rank" + (" (malloc held + resident rise)" if res.get("memory") == "cpu" else ""))
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=45)
+    m = res.get("machine", {})
+    title = f"{m.get('name', '')} {m.get('commit', '')} {count_text(res['n_params'])} params, world {res['world']}"
+    if res.get("simulated_world"):
+        title += f"; {res['simulated_world']['note']}"
+    elif res.get("memory") != "cuda":
+        title += "; CPU: host overhead only"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
     return path
 
 
@@ -774,14 +990,18 @@ def _entry(a):
         res["machine"] = dict(name=machine, host=platform.node(), torch=torch.__version__,
                               deepspeed=deepspeed.__version__, python=platform.python_version(),
                               nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-                              driver=_driver(), cpu=platform.processor() or platform.machine())
+                              driver=_driver(), cpu=platform.processor() or platform.machine(),
+                              threads=torch.get_num_threads())
         report(res, a, machine, device)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def report(res, a, machine, device):
-    out = Path(a.out) if a.out else OUT_DIR / f"{machine}{'-smoke' if a.smoke else ''}.json"
+    # Every run its own file (machine, commit, UTC time): a second run no longer overwrites the first.
+    rev, when = outname.commit(), outname.utc()
+    res["machine"].update(commit=rev, utc=when)
+    out = Path(a.out) if a.out else outname.stamped(f"{machine}{'-smoke' if a.smoke else ''}", rev, when)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     png = plot(res, out.with_suffix(".png"))
@@ -790,7 +1010,9 @@ def report(res, a, machine, device):
     if a.isolated:
         print("# --isolated: each system ran alone in its own processes, one after another (not interleaved)")
     print(table(res, machine))
-    print(f"# wrote {out}" + (f" and {png}" if png else ""))
+    print(f"# results: {outname.shown(out)}")
+    if png:
+        print(f"# plot:    {outname.shown(png)}")
 
 
 def _without(argv, *options):
@@ -851,6 +1073,11 @@ def _spawned(rank, world, port, target, argv):
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     if not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+        # Ranks sharing the CPU split its cores, as under torchrun (OMP_NUM_THREADS=1): 2 ranks of 2 threads
+        # each on 2 cores made whole steps wait for a descheduled thread, 100-250 ms optimizer steps instead
+        # of 2 ms, in some runs and not others.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     target(argv)
 
 
@@ -876,16 +1103,34 @@ def sim_out(out, world):
     return ["--out", str(p.with_name(f"{p.stem}-sim{world}{p.suffix or '.json'}"))]
 
 
+def say_start(a, how):
+    """The run's first lines, printed before anything slow (builds of ops, processes starting), so that a
+    new user never faces minutes of silence."""
+    names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
+    model = (f"GPT of {a.layers} blocks, hidden {a.hidden}" if a.model == "gpt" else
+             f"{a.layers} x Linear({a.hidden}, {a.hidden})")
+    print(f"# gather_release: {how}; model {model}; {len(names)} systems ({', '.join(names)}), each "
+          f"{a.rounds} round(s) x {a.steps} timed steps after {a.warmup} warm-up", flush=True)
+    cpu = "" if torch.cuda.is_available() else " and DeepSpeed its CPU communication op"
+    print(f"# the first run in a checkout builds z3ext's C++ ops (1-3 minutes; it prints when it starts and "
+          f"ends){cpu}; then the systems are built and timed, a bar counts the rounds", flush=True)
+
+
 def main(argv=None):
     a = parse(argv)
     argv = sys.argv[1:] if argv is None else argv
     if a.sim_world:  # one process on this device, rank 0 of the simulated world
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise SystemExit("--sim-world runs one process: not under torchrun with several ranks")
+        say_start(a, f"one process, rank 0 of a {simworld.label(a.sim_world)}")
         return run_isolated(a, argv, 1) if a.isolated else _entry(a)
     if "RANK" in os.environ:  # under torchrun
+        if os.environ["RANK"] == "0":
+            say_start(a, f"{os.environ.get('WORLD_SIZE', '?')} ranks under torchrun")
         return _entry(a)
     world = a.world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    say_start(a, f"starting {world} ranks, " + ("one per GPU" if torch.cuda.is_available() else
+                                                 "processes on this CPU talking through gloo (no GPU found)"))
     if a.isolated:
         run_isolated(a, argv, world)
     else:

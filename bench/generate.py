@@ -17,7 +17,9 @@ before it. Systems:
   remove_hooks, a GatheredParameters block over the whole model, add_hooks after);
 - z3ext-gathered: generation inside a whole-model GatheredParameters block with z3ext's hooks on.
 A simulated world ([Note: simulated world]) makes communication free: "what real communication adds" is
-estimated on paper from the bytes each token gathers (printed) and a bus bandwidth.
+estimated on paper from the bytes each token gathers (printed) and a bus bandwidth. Results go to a new
+bench/out/generate-<machine>-<layers>x<hidden>-<commit>-<UTC time>.json (the plot beside it) unless --out
+is given; a legend under the table says what each column means.
 """
 import argparse
 import json
@@ -33,9 +35,11 @@ os.environ["PYTHONWARNINGS"] = "ignore"
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostmem  # noqa: E402  (the peak on CPU, [Note: CPU peak])
+import outname  # noqa: E402  (one results file per run)
 import simworld  # noqa: E402
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
+OUT_DIR = outname.OUT_DIR
 
 
 def parse(argv=None):
@@ -160,7 +164,9 @@ def run_generate(s, ids, new_tokens):
     return out
 
 
-def measure(s, ids, a, device):
+def measure(s, ids, a, device, host=None):
+    """ms per new token, and the peak (MiB) of the N-token call above what was allocated before it: the CUDA
+    allocator's, or on CPU the rise of the resident high-water mark (`host`, [Note: CPU peak]; None: no peak)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {}
     peak = None
@@ -169,12 +175,16 @@ def measure(s, ids, a, device):
         if device.type == "cuda":
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+        elif host is not None:
+            base = host.reset_peak()
         t0 = time.perf_counter()
         run_generate(s, ids, n)
         sync()
         times[n] = time.perf_counter() - t0
         if device.type == "cuda" and n == a.new_tokens:
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        elif host is not None and n == a.new_tokens:
+            peak = (host.peak() - base) / 2**20
     return (times[a.new_tokens] - times[1]) / (a.new_tokens - 1) * 1e3, peak
 
 
@@ -186,11 +196,21 @@ def gathered_per_token(s):
     return deepspeed_z3ext.stats(s.engine)
 
 
+def count_text(n):
+    """83,200 -> "0.0832M", 6.7e9 -> "6.74B" (a tiny model printed "0.00B params")."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def main(argv=None):
     a = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # First, before the slow parts (a first run builds two C++ extensions, quietly for the backend).
+    print(f"# generate: Llama {a.layers}x{a.hidden}, {len(a.systems.split(','))} systems, "
+          f"{simworld.label(a.sim_world)}, on {device.type.upper()}; the first run in a checkout builds the "
+          f"simulated world's backend (bench/simworld, about a minute) and z3ext's C++ ops (1-3 minutes; it says "
+          f"when), then each system generates {a.rounds} rounds", flush=True)
     simworld.init(a.sim_world)
     import deepspeed
     import deepspeed_z3ext  # noqa: F401
@@ -204,11 +224,14 @@ def main(argv=None):
     ids = torch.randint(3, a.vocab, (a.batch, a.prompt), generator=g).to(device)
     for s in systems:  # warm-up: plans recorded, kernels chosen
         run_generate(s, ids, 2)
+    host = hostmem.HostMemory() if device.type == "cpu" else None
+    memory = "cuda" if device.type == "cuda" else "cpu" if host.error is None else f"n/a: {host.error}"
+    host = host if memory == "cpu" else None
     per_token, peaks, gathers = {n: [] for n in names}, {n: [] for n in names}, {}
     for _ in range(a.rounds):
         for s in systems:
             before = gathered_per_token(s)
-            ms, peak = measure(s, ids, a, device)
+            ms, peak = measure(s, ids, a, device, host)
             after = gathered_per_token(s)
             per_token[s.name].append(ms)
             if peak is not None:
@@ -217,11 +240,14 @@ def main(argv=None):
                 gathers[s.name] = ((after.gathered_params - before.gathered_params) / (1 + a.new_tokens),
                                    after.resident_forwards - before.resident_forwards)
     dtype_bytes = 2 if device.type == "cuda" else 4
-    res = dict(args=vars(a), n_params=n_params, simulated_world=simworld.label(a.sim_world), device=str(
-        torch.cuda.get_device_name() if device.type == "cuda" else "cpu"), torch=torch.__version__,
-        deepspeed=deepspeed.__version__, systems={})
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    machine = f"1x{device_name.replace(' ', '-') if device.type == 'cuda' else 'CPU'}-sim{a.sim_world}"
+    rev, when = outname.commit(), outname.utc()
+    res = dict(args=vars(a), n_params=n_params, simulated_world=simworld.label(a.sim_world), device=device_name,
+               torch=torch.__version__, deepspeed=deepspeed.__version__, machine=machine, commit=rev, utc=when,
+               memory=memory, systems={})
     unsharded = statistics.median(per_token["unsharded"]) if "unsharded" in per_token else None
-    print(f"# generate: Llama {a.layers}x{a.hidden}, {n_params / 1e9:.2f}B params, batch {a.batch}, prompt {a.prompt}, "
+    print(f"# generate: Llama {a.layers}x{a.hidden}, {count_text(n_params)} params, batch {a.batch}, prompt {a.prompt}, "
           f"{a.new_tokens} new tokens, {simworld.label(a.sim_world)}, {res['device']}")
     print(f"{'system':>16} {'ms/token':>9} {'x unsharded':>11} {'peak MiB':>9} {'params gathered/token':>22} {'fast fwds':>9}")
     for n in names:
@@ -230,15 +256,78 @@ def main(argv=None):
         gp, fast = gathers.get(n, (None, None))
         res["systems"][n] = dict(ms_per_token=ms, runs=per_token[n], peak_mib=peak, params_gathered_per_token=gp,
                                  fast_forwards=fast)
-        print(f"{n:>16} {ms:9.2f} {ms / unsharded if unsharded else float('nan'):11.2f} "
-              f"{peak if peak is not None else float('nan'):9.0f} {gp if gp is not None else float('nan'):22.1f} "
-              f"{fast if fast is not None else '':>9}")
-    print(f"# model bytes: {n_params * dtype_bytes / 2**30:.2f} GiB; a token that gathers the whole model moves it once")
-    out = Path(a.out) if a.out else OUT_DIR / f"generate-w{a.sim_world}-{a.layers}x{a.hidden}.json"
+        # No nan: what was not measured says so (the legend says why).
+        ratio = f"{ms / unsharded:11.2f}" if unsharded else f"{'n/a':>11}"
+        peak_text = (f"{peak:9.0f}" if peak >= 100 else f"{peak:9.2f}") if peak is not None else f"{'n/a (CPU)':>9}"
+        if gp is not None:
+            gp_text, fast_text = f"{gp:22.1f}", f"{fast:>9}"
+        else:  # the unsharded model gathers nothing; stock counts nothing
+            gp_text, fast_text = (f"{0:22.1f}" if n.split("#")[0] == "unsharded" else f"{'n/a':>22}"), f"{'n/a':>9}"
+        print(f"{n:>16} {ms:9.2f} {ratio} {peak_text} {gp_text} {fast_text}")
+    model_bytes = n_params * dtype_bytes
+    print(f"# model bytes: {model_bytes / 2**30:.2f} GiB" if model_bytes >= 2**30 else
+          f"# model bytes: {model_bytes / 2**20:.2f} MiB", end="")
+    print("; a token that gathers the whole model moves it once")
+    print("\n".join(legend(res)))
+    # Every run its own file, unless --out names one; with --out the plot goes beside the bench's other plots
+    # (bench/device_run.sh collects it there), not beside --out.
+    out = Path(a.out) if a.out else outname.stamped(f"generate-{machine}-{a.layers}x{a.hidden}"
+                                                    f"{'-smoke' if a.smoke else ''}", rev, when)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    plot(res, OUT_DIR / f"{out.stem}.png")  # beside the bench's other plots, not beside --out
+    png = plot(res, (OUT_DIR if a.out else out.parent) / f"{out.stem}.png")
+    print(f"# results: {outname.shown(out)}")
+    if png:
+        print(f"# plot:    {outname.shown(png)}")
     return res
+
+
+def legend(res):
+    """What each system name and column of the table means, in plain words: printed under it."""
+    names = {n.split("#")[0] for n in res["systems"]}
+
+    def line(label, text):
+        import textwrap
+        head = f"#   {label:<22} "
+        return textwrap.wrap(text, 112, initial_indent=head, subsequent_indent="#" + " " * (len(head) - 1))
+
+    out = ["# legend: systems (they take turns, round after round, in this one process)"]
+    systems = {
+        "unsharded": "the whole model in this process, plain transformers: nothing to fetch (the speed to aim for)",
+        "stock": "DeepSpeed ZeRO-3 as shipped: this rank keeps 1/N of the weights and fetches each layer's "
+                 "before it runs, for every token",
+        "z3ext": "the same with this package, which keeps the weights of one token's forward for the next "
+                 "(up to its default budget: stage3_max_live_parameters less stage3_prefetch_bucket_size)",
+        "z3ext@F": "z3ext keeping at most F x the model's weights between tokens (z3ext.resident_numel; 1: all, "
+                   "0: none)",
+        "stock-trl": "TRL's unwrap_model_for_generation: all weights fetched once before generate, hooks removed",
+        "z3ext-trl": "the same with z3ext",
+        "z3ext-gathered": "generate inside one GatheredParameters block over the whole model, z3ext's hooks on",
+    }
+    for n, text in systems.items():
+        if n in names or (n == "z3ext@F" and any("@" in m for m in names)):
+            out += line(n, text)
+    out += line("ms/token", "time per generated token without the prompt: (time of N new tokens - time of 1) "
+                            "/ (N - 1), median over rounds")
+    out += line("x unsharded", "ms/token divided by unsharded's (n/a: no unsharded system in this run)")
+    if res["memory"] == "cuda":
+        out += line("peak MiB", "the most GPU memory torch's allocator held during the N-token call above what it "
+                                "held before the call (the highest over rounds)")
+    elif res["memory"] == "cpu":
+        out += line("peak MiB", "the highest rise of this process's memory in RAM (Linux's high-water mark) during the "
+                                "N-token call above where it stood before (the highest over rounds; counts all "
+                                "memory, not only tensors: bench/hostmem.py, [Note: CPU peak])")
+    else:
+        out += line("peak MiB", f"n/a (CPU): {res['memory'].partition(': ')[2]}")
+    out += line("params gathered/token", "weight tensors z3ext fetched per generated token, over the last round's "
+                                         "two calls (1 + N tokens); 0 for unsharded, which fetches nothing; n/a for "
+                                         "stock, which keeps no such count")
+    out += line("fast fwds", "forwards of the last round's two calls that found every weight still kept from the "
+                             "forward before (at most N - 1: a call's first forward never does); z3ext only")
+    if res.get("simulated_world"):
+        out += line("simulated world", "this process is rank 0 of N ranks whose communication does nothing: memory "
+                                       "and host time are real, communication is free, values wrong")
+    return out
 
 
 def plot(res, path):
@@ -248,11 +337,13 @@ def plot(res, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        print("# no plot: matplotlib is not installed (pip install matplotlib)")
+        return None
     s = res["systems"]
     budgets = sorted((float(n.split("@")[1]), n) for n in s if n.startswith("z3ext@"))
     if not budgets:
-        return
+        print("# no plot: it draws z3ext@F systems against F, and this run has none")
+        return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [b for b, _ in budgets]
     ax1.plot(xs, [s[n]["ms_per_token"] for _, n in budgets], "o-", label="z3ext")
@@ -267,13 +358,15 @@ def plot(res, path):
         for ref in ("unsharded", "stock"):
             if ref in s and s[ref]["peak_mib"] is not None:
                 ax2.axhline(s[ref]["peak_mib"], ls="--", label=ref, color="k" if ref == "unsharded" else "r")
-        ax2.set_ylabel("peak MiB above resident")
+        ax2.set_ylabel("peak MiB above resident" + (" (RAM high-water mark)" if res.get("memory") == "cpu" else ""))
         ax2.legend()
     ax2.set_xlabel("z3ext.resident_numel / model elements")
-    fig.suptitle(res["simulated_world"])
+    fig.suptitle(f"{res['simulated_world']}; {res.get('machine', '')} {res.get('commit', '')}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
