@@ -47,7 +47,8 @@ branch skipped) steps on the partition an earlier window left, and one that firs
 later micro-step adds it to that old partition: stale gradients, silently. With `z3ext.free_grad_partitions`
 (the default) such a parameter steps on zeros, as in ZeRO stage 1/2 (which zero-fill a missing gradient;
 stage 0 with a torch optimizer skips the parameter, which a flat partition cannot): on z3ext's gradient
-path the buffer's storage is resized to 0 bytes after each step (`_post_step`) and re-allocated, zeroed, by
+path the buffer's storage is resized to 0 bytes after each step (`_post_step`, or the clean-up of a step an fp16
+overflow skipped) and re-allocated, zeroed, by
 the window's first flush (or by the next step's start if no flush came), so between steps (evaluation,
 generation, a reference model's forward) the memory is the program's; where DeepSpeed reduces (offload,
 qgZ, `reduce_gradients: false`) its partitions, and the CPU optimizer's gradients with `offload_optimizer`,
@@ -574,13 +575,28 @@ def note_conditional(optimizer, state):
 def post_step(stock):
     def _post_step(self, timer_names):
         stock(self, timer_names)
-        reducer = reducer_of(self)
-        if reducer is not None:
-            reducer.free_partitions()  # [Note: gradient partitions between steps]
-        else:
-            zero_stock_partitions(self)
+        _window_over(self)
 
     return _post_step
+
+
+def overflow_clean_up(stock):
+    """A step skipped for an fp16 overflow ends the window too: its partitions (inf or nan where it overflowed)
+    must not reach a parameter without a gradient in the next one."""
+    def _overflow_clean_up(self, prev_scale):
+        stock(self, prev_scale)
+        _window_over(self)
+
+    return _overflow_clean_up
+
+
+def _window_over(optimizer):
+    """[Note: gradient partitions between steps]"""
+    reducer = reducer_of(optimizer)
+    if reducer is not None:
+        reducer.free_partitions()
+    else:
+        zero_stock_partitions(optimizer)
 
 
 @torch.no_grad()

@@ -123,6 +123,8 @@ def _table():
              "after it ([Note: persistent refresh])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_post_step", grads.post_step,
              "with z3ext.free_grad_partitions, the gradient partitions are freed until the next flush (zeroed where DeepSpeed reduces)"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "_overflow_clean_up", grads.overflow_clean_up,
+             "a step skipped for an fp16 overflow frees (or zeroes) the gradient partitions as a step does"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "offload_states", grads.offload_states,
              "freed gradient partitions are re-allocated before DeepSpeed copies them out"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_fp32_grad_state_partition", grads.partitions_first,

@@ -189,7 +189,9 @@ def check(results, case, norm_rtol=0.0):
         # The gradient partitions between steps: freed (the default), or kept as stock keeps them (the opt-out).
         assert all(n > 0 for n in r["stock_between"]), r["stock_between"]
         if options.get("free_grad_partitions", True):
-            assert r["z3_between"] == [0] * len(r["z3_between"]) and st["partitions_freed"] == steps_taken, (r["z3_between"], st)
+            # after every step, and after every step an fp16 overflow skipped
+            assert r["z3_between"] == [0] * len(r["z3_between"]) and st["partitions_freed"] == len(r["z3_losses"]) // ga, \
+                (r["z3_between"], st)
         else:
             assert r["z3_between"] == r["stock_between"] and st["partitions_freed"] == 0, (r["z3_between"], st)
         # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
