@@ -46,7 +46,8 @@ def _mark_gpus(items):
 
 # [Note: test tiers] `pytest tests` runs the default tier: a few tests of every area (build, config, engine,
 # claims, gradients, many ranks and non-uniform programs, faults, HF, TRL, weights, the differential test's
-# regressions), about 5 minutes on 2 idle cores; `pytest tests --full` runs everything (CI runs both). A
+# regressions), about 5 minutes on 2 idle cores; `pytest tests --full` runs everything (CI runs the default
+# tier, then `--beyond-default`: the rest). A
 # test is in the default tier when its node id (without `tests/`) starts with an entry of DEFAULT_TIER;
 # new tests are in the full suite until listed here. Naming files, tests, `-k` or `-m` selects as usual.
 DEFAULT_TIER = (
@@ -82,6 +83,8 @@ DEFAULT_TIER = (
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="run the full suite, not only the default tier "
                      "([Note: test tiers] in tests/conftest.py)")
+    parser.addoption("--beyond-default", action="store_true", help="run the tests the default tier leaves out "
+                     "(CI: the default tier, then these: the full suite once)")
 
 
 def _default_tier(config, items):
@@ -92,6 +95,8 @@ def _default_tier(config, items):
     for item in items:
         nodeid = item.nodeid.split("tests/", 1)[-1]
         (kept if nodeid.startswith(DEFAULT_TIER) else left).append(item)
+    if config.getoption("--beyond-default"):
+        kept, left = left, kept
     if left and len(items) > 1:
         config.hook.pytest_deselected(items=left)
         items[:] = kept

@@ -49,6 +49,49 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, dims=1).flatten())
 
 
+class Expert(nn.Module):
+    """An MLP: one expert of a mixture (or any small tower)."""
+
+    def __init__(self, hidden, act=F.gelu):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+        self.act = act
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class TopOneMoe(nn.Module):
+    """Top-1 routing over one module per expert (no leaf marked): which experts run differs by rank and step.
+    `allowed` (experts, or None) masks the others out; `reached` records each forward's experts."""
+
+    def __init__(self, hidden, experts, act=F.gelu):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, act) for _ in range(experts))
+        self.allowed = None
+        self.reached = []
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.gate(flat)
+        if self.allowed is not None:
+            mask = torch.full((len(self.experts), ), float("-inf"), dtype=logits.dtype)
+            mask[list(self.allowed)] = 0
+            logits = logits + mask
+        weight, pick = torch.softmax(logits, -1).max(-1)
+        out = torch.zeros_like(flat)
+        reached = []
+        for e, expert in enumerate(self.experts):
+            rows = (pick == e).nonzero().flatten()
+            if rows.numel():
+                reached.append(e)
+                out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
+        self.reached.append(tuple(reached))
+        return x + out.view_as(x)
+
+
 def ds_config(z3ext=False, persistence=None, mel=True, ga=2, extra=None, zero_extra=None):
     zero = {"stage": 3, "memory_efficient_linear": mel}
     if persistence is not None:

@@ -181,6 +181,7 @@ def _model(program):
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
+    from tests.models import TopOneMoe
 
     class Failing(nn.Module):
         """Raises in backward when armed: after the layers nearer the loss have their gradients."""
@@ -241,33 +242,6 @@ def _model(program):
         def forward(self, x):
             return self.arm(torch.tanh(self.base(x) + x @ self.lora_a @ self.lora_b))
 
-    class Expert(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-            self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-        def forward(self, x):
-            return self.down(torch.tanh(self.up(x)))
-
-    class Moe(nn.Module):
-        """Top-1 routing over one module per expert: which experts run differs by rank and step."""
-
-        def __init__(self):
-            super().__init__()
-            self.gate = nn.Linear(HIDDEN, 3, bias=False)
-            self.experts = nn.ModuleList(Expert() for _ in range(3))
-
-        def forward(self, x):
-            flat = x.reshape(-1, HIDDEN)
-            weight, pick = torch.softmax(self.gate(flat), -1).max(-1)
-            out = torch.zeros_like(flat)
-            for e, expert in enumerate(self.experts):
-                rows = (pick == e).nonzero().flatten()
-                if rows.numel():
-                    out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
-            return x + out.view_as(x)
-
     kinds = {"linear": Linear, "addmm": Addmm, "bmm": Bmm, "conv": Conv, "lora": Lora}
 
     class Net(nn.Module):
@@ -283,7 +257,8 @@ def _model(program):
             self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
             if program.tied:
                 self.head.weight = self.embed.weight
-            self.moe = Moe() if program.moe is not None else None
+            # top-1 over 3 experts, one module each: the experts run differ by rank and step
+            self.moe = TopOneMoe(HIDDEN, 3, torch.tanh) if program.moe is not None else None
             self.micro = 0  # set by the loop: which micro-step runs ("sometimes")
             self.rank = 0
             self.dummy = False  # stock, per rank: a skipped layer runs with weight 0 instead

@@ -27,43 +27,7 @@ def _model(deepspeed_moe=False):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class Expert(nn.Module):
-
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-            self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-        def forward(self, x):
-            return self.down(F.gelu(self.up(x)))
-
-    class MoeBlock(nn.Module):
-        """Top-1 routing, one module per expert; `allowed` (set by the test) masks experts out."""
-
-        def __init__(self):
-            super().__init__()
-            self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
-            self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
-            self.allowed = None
-            self.reached = []  # the experts this rank's tokens reached, per forward
-
-        def forward(self, x):
-            flat = x.reshape(-1, HIDDEN)
-            logits = self.gate(flat)
-            if self.allowed is not None:
-                mask = torch.full((EXPERTS, ), float("-inf"), dtype=logits.dtype)
-                mask[list(self.allowed)] = 0
-                logits = logits + mask
-            weight, pick = torch.softmax(logits, -1).max(-1)
-            out = torch.zeros_like(flat)
-            reached = []
-            for e, expert in enumerate(self.experts):
-                rows = (pick == e).nonzero().flatten()
-                if rows.numel():
-                    reached.append(e)
-                    out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
-            self.reached.append(tuple(reached))
-            return x + out.view_as(x)
+    from tests.models import Expert, TopOneMoe
 
     class DsMoe(nn.Module):
         """DeepSpeed's MoE layer (top-1, one expert-parallel rank) with a residual."""
@@ -71,7 +35,7 @@ def _model(deepspeed_moe=False):
         def __init__(self):
             super().__init__()
             from deepspeed.moe.layer import MoE
-            self.moe = MoE(HIDDEN, expert=Expert(), num_experts=EXPERTS, ep_size=1, k=1, min_capacity=SEQ * 4,
+            self.moe = MoE(HIDDEN, expert=Expert(HIDDEN), num_experts=EXPERTS, ep_size=1, k=1, min_capacity=SEQ * 4,
                            capacity_factor=float(EXPERTS), drop_tokens=False, use_rts=False)
             self.reached = []
 
@@ -85,7 +49,7 @@ def _model(deepspeed_moe=False):
             super().__init__()
             self.ln = nn.LayerNorm(HIDDEN)
             self.mix = nn.Linear(HIDDEN, HIDDEN)
-            self.moe = DsMoe() if deepspeed_moe else MoeBlock()
+            self.moe = DsMoe() if deepspeed_moe else TopOneMoe(HIDDEN, EXPERTS)
 
         def forward(self, x):
             x = x + torch.tanh(self.mix(self.ln(x)))
@@ -316,14 +280,7 @@ def _multimodal():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    class Tower(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(HIDDEN, 2 * HIDDEN)
-            self.fc2 = nn.Linear(2 * HIDDEN, HIDDEN)
-
-        def forward(self, image):
-            return self.fc2(F.gelu(self.fc1(image)))
+    from tests.models import Expert
 
     class Multimodal(nn.Module):
         """A text model with a vision tower that batches without an image skip ("skip"); stock's way is a
@@ -332,7 +289,7 @@ def _multimodal():
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(VOCAB, HIDDEN)
-            self.tower = Tower()
+            self.tower = Expert(HIDDEN)  # the vision tower
             self.mix = nn.Linear(HIDDEN, HIDDEN)
             self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
