@@ -99,6 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_back", &GatherEngine::write_back)
       .def("set_residency", &GatherEngine::set_residency, py::arg("residency"))  // [Note: partition residency]
       .def_property_readonly("residency", &GatherEngine::residency)
+      .def("set_disagree", &GatherEngine::set_disagree, py::arg("callback"))  // [Note: agree before the collective]
       .def("destroy", &GatherEngine::destroy)
       .def("stale_references", &GatherEngine::stale_references)  // [Note: true release]
       .def_property_readonly("handles", &GatherEngine::handles)

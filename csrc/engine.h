@@ -4,6 +4,7 @@
 #include <memory>
 #include <tuple>
 #include <utility>
+#include "agreement.h"
 #include "collectives.h"
 #include "residency.h"
 #include "schedule.h"
@@ -229,9 +230,14 @@ class GatherEngine {
   }
   py::object residency() const { return residency_ ? residency_->obj : py::none(); }
 
+  // Installs (or, with None, removes) the callback that raises when the ranks' next all-gathers differ on
+  // a gloo group ([Note: agree before the collective] in agreement.h).
+  void set_disagree(py::object callback) { disagree_ = std::move(callback); }
+
   // Releases everything: every claim dropped, every storage emptied.
   void destroy() {
     residency_.reset();  // its Python references go while Python is up
+    disagree_ = py::none();
     for (const auto& h : handles_) {
       h->claims.clear();
       if (h->bucket) release(*h);
@@ -486,6 +492,12 @@ class GatherEngine {
           for (auto& hp : params) ids.emplace_back(hp.first->ds_id, hp.first->numel);
           schedule_.note(ids.begin(), ids.end(), static_cast<int64_t>(dtype), secondary);
         }
+        if (!disagree_.is_none() && is_gloo(pg)) {  // [Note: agree before the collective] in agreement.h
+          int64_t numel = 0;
+          for (auto& hp : params) numel += hp.first->numel;
+          agree_before(pg, {1, secondary ? 1 : 0, params.front().first->ds_id, numel,
+                            static_cast<int64_t>(params.size())}, disagree_);
+        }
         if (outs.size() == 1) {
           all_gather_into(pg, outs[0], flat[0]);
         } else if (coalesces(pg, device)) {
@@ -703,6 +715,7 @@ class GatherEngine {
   EngineStats stats_;
   ScheduleLog schedule_;  // [Note: schedule fingerprint]
   std::unique_ptr<Residency> residency_;  // null: every partition is in memory
+  py::object disagree_ = py::none();      // [Note: agree before the collective]; None: no exchange
 };
 
 }  // namespace z3ext

@@ -101,6 +101,12 @@ class Z3extConfig(BaseModel):
     ("step"), also at every outermost forward ("forward", for debugging), or never ("off"); a mismatch
     raises on every rank naming the first module where they differ ([Note: schedule check] in schedule.py)."""
 
+    agree_before_collectives: StrictBool = True
+    """On gloo (CPU, and ranks sharing a GPU), the ranks exchange a descriptor of each z3ext collective before
+    issuing it, so that ranks about to issue different ones raise `ScheduleMismatchError` naming each rank's
+    module instead of gloo aborting in C++ ([Note: agree before the collective] in csrc/agreement.h); one tiny
+    all-gather per collective. No effect on NCCL."""
+
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""

@@ -71,6 +71,51 @@ def _device(group):
     return torch.device(get_accelerator().current_device_name())
 
 
+KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph deaths", 4: "the schedule check",
+         5: "an exchange of call arguments", 6: "the gradient norm's all-reduce"}
+
+
+class Preagreement:
+    """[Note: agree before the collective] in csrc/agreement.h: on gloo, the descriptor of each z3ext collective
+    is exchanged before it, and a difference raises `ScheduleMismatchError` on every rank, naming what each rank
+    was about to do (the module of an all-gather)."""
+
+    def __init__(self, engine):
+        self._engine = engine  # the C++ GatherEngine: its handles name the parameters
+        self.exchanges = 0
+
+    def exchange(self, group, descriptor):
+        """The Python side's exchange before its own collective over `group` (a gloo group)."""
+        self.exchanges += 1
+        mine = torch.tensor(descriptor, dtype=torch.int64)
+        world = dist.get_world_size(group)
+        out = mine.repeat(world)
+        dist.all_gather_into_tensor(out, mine, group=group)
+        rows = out.view(world, len(descriptor)).tolist()
+        if any(r != rows[0] for r in rows):
+            self.disagree(rows)
+
+    def disagree(self, rows):
+        names = {h.ds_id: h.name for h in self._engine.handles}
+        what = "; ".join(f"rank {r}: {self._describe(names, row)}" for r, row in enumerate(rows))
+        raise ScheduleMismatchError(
+            f"z3ext: the ranks' next collectives differ ({what}). A rank ran a forward, a backward or a call the "
+            "others did not (or in another order); every rank must make the same calls ([Note: one schedule on every "
+            "rank] in deepspeed_z3ext/schedule.py). Raised before the collective on every rank: the engine's state "
+            "is not to be trusted after this")
+
+    @staticmethod
+    def _describe(names, row):
+        kind, secondary, first, numel, tensors = row
+        text = KINDS.get(kind, f"collective kind {kind}")
+        if kind == 1:
+            text += f" of {tensors} parameter(s), {numel} elements, from {_module(names, first)}"
+            text += " over the node (hpZ)" if secondary else ""
+        elif numel >= 0:
+            text += f" of {numel} elements"
+        return text
+
+
 class RankAgreement:
     """The engine's ranks: the largest group its parameters are partitioned over (the data-parallel one)."""
 
@@ -80,12 +125,18 @@ class RankAgreement:
         self.rank = dist.get_rank(group)
         self.device = _device(group)
         self.votes = 0
+        self.preagreement: Optional[Preagreement] = None  # set on gloo ([Note: agree before the collective])
+
+    def _before(self, kind, numel):
+        if self.preagreement is not None:
+            self.preagreement.exchange(self.group, [kind, 0, -1, numel, 1])
 
     def all_true(self, flags: List[bool]) -> List[bool]:
         """Each flag ANDed over the ranks ([Note: one schedule on every rank])."""
         if self.world == 1:
             return list(flags)
         self.votes += 1
+        self._before(3, len(flags))
         t = torch.tensor(flags, dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [bool(v) for v in t.tolist()]
@@ -95,6 +146,8 @@ class RankAgreement:
         ([Note: arguments that must agree]). Where they differ: with `minimum` (an index into `values`) the
         caller takes the smallest at that index (logged once per call site on rank 0), and any other
         difference raises `ScheduleMismatchError` on every rank, naming each rank's values."""
+        if self.world > 1:
+            self._before(5, len(values))
         rows = self.all_gather(values) if self.world > 1 else [list(values)]
         if all(r == rows[0] for r in rows):
             return rows
@@ -121,6 +174,7 @@ class RankAgreement:
         behind the work already queued, so that neither this call nor a later `result()` waits for that
         work (the host would stall the step it is launching)."""
         n = len(values)
+        self._before(4, n)
         src = torch.tensor(values, dtype=torch.int64)
         # The output starts as this rank's values in every row: a collective that does nothing (a simulated
         # world, bench/simworld) then reads as agreement, not as garbage.

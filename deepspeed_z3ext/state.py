@@ -107,6 +107,13 @@ class Z3extState:
         # every rank] in schedule.py).
         groups = [group_of(p) for p in self.params] or [tdist.group.WORLD]
         self.agreement = schedule.RankAgreement(max(groups, key=tdist.get_world_size))
+        # [Note: agree before the collective] in csrc/agreement.h: on gloo, every z3ext collective is named first
+        self.preagreement = None
+        if config.agree_before_collectives and self.agreement.world > 1 and \
+                tdist.get_backend(self.agreement.group) == "gloo":
+            self.preagreement = schedule.Preagreement(self.engine)
+            self.agreement.preagreement = self.preagreement
+            self.engine.set_disagree(self.preagreement.disagree)
         self.schedule_check = (None if config.schedule_check == "off" else schedule.ScheduleCheck(
             self.engine, self.agreement, every_forward=config.schedule_check == "forward"))
         watch_module_registrations()  # [Note: tree epoch]
