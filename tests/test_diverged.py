@@ -3,7 +3,8 @@ csrc/agreement.h), not in gloo's abort in C++ ("Received data size doesn't match
 
 On real gloo ranks, under a hard timeout, one rank does what the others do not:
 - an extra `no_grad` forward of one block, or of the whole model, on rank 0;
-- rank 1 skips the forward and backward of one micro-step (and still calls `engine.step()`).
+- rank 1 skips the forward and backward of one micro-step (and still calls `engine.step()`);
+- each rank opens `GatheredParameters` on another parameter of the same size (gloo would pair them silently).
 Every rank raises `ScheduleMismatchError` before the mismatched collective, naming what each rank was about
 to do (a module's all-gather, a reduce-scatter, the step's collectives). With `agree_before_collectives`
 off the same programs end in gloo's own errors (a dead rank, a reset connection): what this replaces.
@@ -30,6 +31,10 @@ def diverge(how, agree=True):
                         engine.module.blocks[1](torch.randn(2, 16, 32))
                     else:
                         engine(batch(100, rank))
+            if i == 3 and how == "gathered":  # the same size, another parameter on each rank
+                import deepspeed
+                with deepspeed.zero.GatheredParameters([engine.module.blocks[rank % 2].fc1.weight]):
+                    pass
             if not (i == 3 and rank == 1 and how == "skip"):
                 engine.backward(engine(batch(i, rank)))
             engine.step()
@@ -39,7 +44,7 @@ def diverge(how, agree=True):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("how", ["block", "model", "skip"])
+@pytest.mark.parametrize("how", ["block", "model", "skip", "gathered"])
 def test_a_diverged_rank_raises_a_named_error_on_every_rank(how, world):
     messages = run_on_ranks(diverge, world_size=world, timeout=TIMEOUT * world // 2, pg_timeout=60, how=how)
     for rank, msg in enumerate(messages):
@@ -48,6 +53,8 @@ def test_a_diverged_rank_raises_a_named_error_on_every_rank(how, world):
     assert len(set(messages)) == 1, messages  # every rank names the same thing
     if how == "block":
         assert "module 'blocks.1" in messages[0], messages[0]
+    if how == "gathered":  # where the step's schedule check (NCCL's) would name it a step later
+        assert "module 'blocks.0.fc1'" in messages[0] and "module 'blocks.1.fc1'" in messages[0], messages[0]
 
 
 def test_without_the_exchange_gloo_fails_without_naming_a_module():

@@ -15,7 +15,9 @@ def _diverge(mode):
     from tests.models import batch, build_engine, ds_config
 
     rank = dist.get_rank()
-    z3 = {"enabled": True, "schedule_check": mode}
+    # The check is what NCCL has; on gloo the exchange before each collective names the mismatch at once
+    # (tests/test_diverged.py), so it is off here.
+    z3 = {"enabled": True, "schedule_check": mode, "agree_before_collectives": False}
     engine = build_engine(ds_config(z3ext=z3, persistence=0, ga=1))
     checks = engine.optimizer.parameter_offload.z3ext.schedule_check
     engine.backward(engine(batch(0, rank)))
