@@ -146,9 +146,7 @@ class RankAgreement:
         ([Note: arguments that must agree]). Where they differ: with `minimum` (an index into `values`) the
         caller takes the smallest at that index (logged once per call site on rank 0), and any other
         difference raises `ScheduleMismatchError` on every rank, naming each rank's values."""
-        if self.world > 1:
-            self._before(5, len(values))
-        rows = self.all_gather(values) if self.world > 1 else [list(values)]
+        rows = self.all_gather(values, kind=5) if self.world > 1 else [list(values)]
         if all(r == rows[0] for r in rows):
             return rows
         rest = [[v for i, v in enumerate(r) if i != minimum] for r in rows]
@@ -165,16 +163,17 @@ class RankAgreement:
                            "the same units and issue the same collectives")
         return rows
 
-    def all_gather(self, values: List[int]) -> List[List[int]]:
-        """`values` (the same length on every rank) of every rank, in rank order."""
-        return self.start_all_gather(values).result()
+    def all_gather(self, values: List[int], kind: int = 4) -> List[List[int]]:
+        """`values` (the same length on every rank) of every rank, in rank order; `kind` names it to a
+        preagreement (KINDS)."""
+        return self.start_all_gather(values, kind).result()
 
-    def start_all_gather(self, values: List[int]) -> "Gathered":
+    def start_all_gather(self, values: List[int], kind: int = 4) -> "Gathered":
         """The all-gather of `values` started: on an accelerator, issued and copied to pinned host memory
         behind the work already queued, so that neither this call nor a later `result()` waits for that
         work (the host would stall the step it is launching)."""
         n = len(values)
-        self._before(4, n)
+        self._before(kind, n)
         src = torch.tensor(values, dtype=torch.int64)
         # The output starts as this rank's values in every row: a collective that does nothing (a simulated
         # world, bench/simworld) then reads as agreement, not as garbage.

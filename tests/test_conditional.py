@@ -17,6 +17,7 @@ Every case runs on real gloo ranks under a hard timeout.
 import pytest
 
 from tests.harness import run_on_ranks
+from tests.training import train
 
 HIDDEN, VOCAB, EXPERTS, SEQ = 16, 32, 4, 8
 TIMEOUT = 300
@@ -140,15 +141,13 @@ def stale_experts(conditional_blocks):
     rank, out = dist.get_rank(), {}
     for name in ("stock", "z3ext"):
         engine = _engine(name == "z3ext", leaf=name == "stock", options={"conditional_blocks": conditional_blocks})
-        losses = []
-        for step in range(4):
+
+        def forward(engine, i):
             for layer in engine.module.layers:
-                layer.moe.allowed = None if step == 0 else (0, 1)
-            loss = engine(_tokens(step, rank, True))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        out[name] = _result(engine, losses)
+                layer.moe.allowed = None if i == 0 else (0, 1)
+            return engine(_tokens(i, rank, True))
+
+        out[name] = _result(engine, train(engine, 4, forward=forward))
         engine.destroy()
     return _compare(out)
 
@@ -175,15 +174,12 @@ def skipped_branch(path):
     for name in ("stock", "z3ext"):
         engine = _engine(name == "z3ext", leaf=True, ga=2, options=options, zero=zero)
         engine.module.touch_aux = name == "stock"
-        losses = []
-        for step in range(4):
-            for micro in range(2):
-                engine.module.use_aux = step == 0 or micro == 1
-                loss = engine(_tokens(2 * step + micro, rank, False))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        out[name] = _result(engine, losses)
+
+        def forward(engine, i):  # micro-step i = 2 * step + micro
+            engine.module.use_aux = i < 2 or i % 2 == 1
+            return engine(_tokens(i, rank, False))
+
+        out[name] = _result(engine, train(engine, 4, forward=forward, ga=2))
         engine.destroy()
     return _compare(out)
 
