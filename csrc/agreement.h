@@ -27,14 +27,15 @@ inline bool is_gloo(c10d::ProcessGroup& group) {
 
 // Exchanges `mine` over `group`; where any rank's differs, calls `on_disagree(rows)` (which raises) and
 // throws if it returns.
-inline void agree_before(c10d::ProcessGroup& group, const Descriptor& mine, const pybind11::object& on_disagree) {
+inline void agree_before(c10d::ProcessGroup& group, const Descriptor& mine, const pybind11::object& on_disagree,
+                         Progress* watch) {
   const int64_t n = static_cast<int64_t>(mine.size());
   const int64_t world = group.getSize();
   auto opts = at::TensorOptions().dtype(at::kLong);
   at::Tensor in = at::empty({n}, opts);
   for (int64_t i = 0; i < n; ++i) in[i] = mine[i];
   at::Tensor out = at::empty({world * n}, opts);
-  all_gather_into(group, out, in);
+  all_gather_into(group, out, in, watch);
   const int64_t* v = out.data_ptr<int64_t>();
   bool same = true;
   for (int64_t i = n; i < world * n && same; ++i) same = v[i] == v[i % n];

@@ -70,6 +70,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", [](const FetchUnit& u) { return u.handles.size(); })
       .def_property_readonly("handles", [](const FetchUnit& u) { return u.handles; });
 
+  // [Note: collective progress] in progress.h
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Aborted& e) {
+      PyErr_SetString(e.type ? e.type : PyExc_RuntimeError, e.what());
+    }
+  });
+  py::class_<Progress, std::shared_ptr<Progress>>(m, "Progress")
+      .def(py::init<>())
+      .def("begin", &Progress::begin, py::arg("descriptor"))
+      .def("end", &Progress::end, py::arg("index"), py::arg("device"))
+      .def("wait", [](Progress& p, c10d::Work& work) { p.wait(work); }, py::arg("work"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Progress::abort, py::arg("error_type"), py::arg("message"))
+      .def_property_readonly("aborted", &Progress::aborted)
+      .def("stalled_seconds", &Progress::stalled_seconds)
+      .def("snapshot", &Progress::snapshot);
+
   py::class_<GatherEngine, std::shared_ptr<GatherEngine>>(m, "GatherEngine")
       .def(py::init<py::object, py::object>(), py::arg("status_available"), py::arg("status_not_available"))
       .def("make_handle", &GatherEngine::make_handle)
@@ -100,6 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_residency", &GatherEngine::set_residency, py::arg("residency"))  // [Note: partition residency]
       .def_property_readonly("residency", &GatherEngine::residency)
       .def("set_disagree", &GatherEngine::set_disagree, py::arg("callback"))  // [Note: agree before the collective]
+      .def("set_progress", &GatherEngine::set_progress, py::arg("progress"))  // [Note: collective progress]
       .def("destroy", &GatherEngine::destroy)
       .def("stale_references", &GatherEngine::stale_references)  // [Note: true release]
       .def_property_readonly("handles", &GatherEngine::handles)

@@ -2,8 +2,19 @@
 #pragma once
 #include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "progress.h"
 
 namespace z3ext {
+
+// Waits for `work`: through `watch` (a gloo group's host wait, woken by the watchdog: [Note: collective
+// progress] in progress.h) or as c10d waits (NCCL: the current stream waits, the host does not).
+inline void wait_for(c10d::Work& work, Progress* watch) {
+  if (watch) {
+    watch->wait(work);
+  } else {
+    work.wait();
+  }
+}
 
 // In-place all-gather: `input` is this rank's slice of `output` (world * input.numel()).
 // Makes the current stream wait for the result (NCCL) or blocks until it is there (gloo).
@@ -11,13 +22,13 @@ namespace z3ext {
 // finishes the work may drop the last reference to a tensor or storage that has a Python object,
 // which needs the GIL; holding it while waiting deadlocks (seen with gloo: one rank stuck in
 // wait(), the other in the next collective).
-inline void all_gather_into(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+inline void all_gather_into(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input, Progress* watch = nullptr) {
   pybind11::gil_scoped_release no_gil;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   auto work = group._allgather_base(output, input);
 #pragma GCC diagnostic pop
-  work->wait();
+  wait_for(*work, watch);
 }
 
 // All-gathers each `inputs[i]` into `outputs[i]` (world * inputs[i].numel()) in one coalesced call:
@@ -25,13 +36,13 @@ inline void all_gather_into(c10d::ProcessGroup& group, at::Tensor& output, at::T
 // the inputs may be the partitions themselves (no copy-in) or their slice of the output (in place).
 // Waits as all_gather_into does, without the GIL ([Note: no GIL while blocked]).
 inline void all_gather_coalesced_into(c10d::ProcessGroup& group, std::vector<at::Tensor>& outputs,
-                                      std::vector<at::Tensor>& inputs) {
+                                      std::vector<at::Tensor>& inputs, Progress* watch = nullptr) {
   pybind11::gil_scoped_release no_gil;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   auto work = group.allgather_into_tensor_coalesced(outputs, inputs);
 #pragma GCC diagnostic pop
-  work->wait();
+  wait_for(*work, watch);
 }
 
 // [Note: gloo on CUDA tensors] gloo moves CUDA tensors (several ranks on one GPU run this way), but

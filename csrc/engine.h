@@ -234,10 +234,14 @@ class GatherEngine {
   // a gloo group ([Note: agree before the collective] in agreement.h).
   void set_disagree(py::object callback) { disagree_ = std::move(callback); }
 
+  // The record of this engine's collectives that the hang watchdog reads ([Note: collective progress]).
+  void set_progress(std::shared_ptr<Progress> progress) { progress_ = std::move(progress); }
+
   // Releases everything: every claim dropped, every storage emptied.
   void destroy() {
     residency_.reset();  // its Python references go while Python is up
     disagree_ = py::none();
+    progress_.reset();
     for (const auto& h : handles_) {
       h->claims.clear();
       if (h->bucket) release(*h);
@@ -492,20 +496,28 @@ class GatherEngine {
           for (auto& hp : params) ids.emplace_back(hp.first->ds_id, hp.first->numel);
           schedule_.note(ids.begin(), ids.end(), static_cast<int64_t>(dtype), secondary);
         }
-        if (!disagree_.is_none() && is_gloo(pg)) {  // [Note: agree before the collective] in agreement.h
-          int64_t numel = 0;
-          for (auto& hp : params) numel += hp.first->numel;
-          agree_before(pg, {1, secondary ? 1 : 0, params.front().first->ds_id, numel,
-                            static_cast<int64_t>(params.size())}, disagree_);
+        int64_t numel = 0;
+        for (auto& hp : params) numel += hp.first->numel;
+        const Descriptor desc{1, secondary ? 1 : 0, params.front().first->ds_id, numel,
+                              static_cast<int64_t>(params.size())};
+        const bool gloo = is_gloo(pg);
+        Progress* watch = gloo ? progress_.get() : nullptr;  // [Note: collective progress] in progress.h
+        const int64_t record = progress_ ? progress_->begin(desc) : -1;
+        try {
+          if (!disagree_.is_none() && gloo) agree_before(pg, desc, disagree_, watch);  // [Note: agree before the collective]
+          if (outs.size() == 1) {
+            all_gather_into(pg, outs[0], flat[0], watch);
+          } else if (coalesces(pg, device)) {
+            all_gather_coalesced_into(pg, outs, flat, watch);
+          } else {  // [Note: gloo on CUDA tensors] in collectives.h
+            for (size_t i = 0; i < outs.size(); ++i) all_gather_into(pg, outs[i], flat[i], watch);
+            issued = static_cast<int64_t>(outs.size());
+          }
+        } catch (...) {
+          if (progress_) progress_->end(record, at::Device(at::kCPU));  // not pending: it raised
+          throw;
         }
-        if (outs.size() == 1) {
-          all_gather_into(pg, outs[0], flat[0]);
-        } else if (coalesces(pg, device)) {
-          all_gather_coalesced_into(pg, outs, flat);
-        } else {  // [Note: gloo on CUDA tensors] in collectives.h
-          for (size_t i = 0; i < outs.size(); ++i) all_gather_into(pg, outs[i], flat[i]);
-          issued = static_cast<int64_t>(outs.size());
-        }
+        if (progress_) progress_->end(record, device);
         stats_.collectives += issued;
         if (secondary) stats_.secondary_collectives += issued;
       }
@@ -716,6 +728,7 @@ class GatherEngine {
   ScheduleLog schedule_;  // [Note: schedule fingerprint]
   std::unique_ptr<Residency> residency_;  // null: every partition is in memory
   py::object disagree_ = py::none();      // [Note: agree before the collective]; None: no exchange
+  std::shared_ptr<Progress> progress_;    // [Note: collective progress]; null: no watchdog
 };
 
 }  // namespace z3ext

@@ -20,6 +20,7 @@ from deepspeed_z3ext.generation import release_resident, resident
 from deepspeed_z3ext.schedule import ScheduleMismatchError
 from deepspeed_z3ext.seams import install, installed, uninstall
 from deepspeed_z3ext.stats import Z3extStats, grad_stats, stats
+from deepspeed_z3ext.watchdog import RankTimeoutError
 from deepspeed_z3ext.weights import FullWeight, full_weights
 from deepspeed_z3ext import deepspeed_private as _private
 
@@ -38,5 +39,5 @@ if not _report_only:
     install()
 
 __all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
-           "FallbackStats", "ScheduleMismatchError", "resident", "release_resident", "aio_handle", "AioError", "install",
+           "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "resident", "release_resident", "aio_handle", "AioError", "install",
            "uninstall", "installed", "full_weights", "FullWeight", "WeightsError"]

@@ -55,7 +55,8 @@ def divides_after_reduce(world, comm_dtype) -> bool:
 def reduce_scatter_fn(group):
     """The flush's collective: `deepspeed.comm.reduce_scatter_fn(output, input, group=group)`, looked up
     when called, as stock calls it ([Note: comms logger])."""
-    return lambda output, input: ds_comm.reduce_scatter_fn(output, input, group=group)
+    return lambda output, input, async_op=False: ds_comm.reduce_scatter_fn(output, input, group=group,
+                                                                           async_op=async_op)
 
 
 class LoggedGatherEngine:

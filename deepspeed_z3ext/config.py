@@ -107,6 +107,11 @@ class Z3extConfig(BaseModel):
     module instead of gloo aborting in C++ ([Note: agree before the collective] in csrc/agreement.h); one tiny
     all-gather per collective. No effect on NCCL."""
 
+    hang_timeout: float = Field(60.0, ge=0)
+    """Seconds a z3ext collective may stay incomplete before every rank raises an error naming, for each rank,
+    the first collective where they differ and its module, or the rank that has not arrived and where it is
+    ([Note: hang watchdog] in watchdog.py); 0: no watchdog."""
+
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims
     (fallback.py). Off, such frames see partitioned parameters (and fail), as without any fallback."""

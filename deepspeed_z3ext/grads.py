@@ -275,9 +275,8 @@ class GradReducer:
         divides = self._divide_after and comms.divides_after_reduce(world, self.comm_dtype)
         collective = comms.reduce_scatter_fn(group)
         state = self._state()
-        if state is not None and state.preagreement is not None and world > 1 and \
-                torch.distributed.get_backend(group) == "gloo":
-            collective = _agreed_first(collective, state.preagreement, group)
+        if state is not None and world > 1:
+            collective = _recorded(collective, state.agreement, group)
         reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
@@ -519,14 +518,14 @@ def reducer_of(optimizer, param=None) -> Optional[GradReducer]:
     return reducer or None
 
 
-def _agreed_first(collective, preagreement, group):
-    """The flush's collective after the ranks exchanged what it is ([Note: agree before the collective] in
-    csrc/agreement.h)."""
-    def agreed(output, input):
-        preagreement.exchange(group, [2, 0, -1, input.numel(), 1])
-        return collective(output, input)
+def _recorded(collective, agreement, group):
+    """The flush's collective recorded for the watchdog and, on gloo, after the ranks exchanged what it is
+    (schedule.RankAgreement.collective)."""
+    def recorded(output, input):
+        agreement.collective([2, 0, -1, input.numel(), 1], lambda async_op: collective(output, input, async_op),
+                             group)
 
-    return agreed
+    return recorded
 
 
 # -- seams (seams.py): each falls through to DeepSpeed's method when z3ext does not reduce ---------

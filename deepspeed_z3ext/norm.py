@@ -71,9 +71,9 @@ def norm_groups(optimizer) -> Optional[List[torch.Tensor]]:
         else:
             sums.append(torch.sum(torch.pow(torch.stack(torch._foreach_norm(g, 2.0, dtype=norm_dtype)), 2.0)))
     total = torch.stack(sums)
-    if state.preagreement is not None:  # [Note: agree before the collective] in csrc/agreement.h
-        state.preagreement.exchange(group, [6, 0, -1, total.numel(), 1])
-    ds_comm.all_reduce(total, op=ds_comm.ReduceOp.SUM, group=group)
+    state.agreement.collective([6, 0, -1, total.numel(), 1],  # [Note: agree before the collective] in csrc/agreement.h
+                               lambda async_op: ds_comm.all_reduce(total, op=ds_comm.ReduceOp.SUM, group=group,
+                                                                   async_op=async_op), group)
     total = total**(1. / 2.0)
     err = torch.tensor(-1.0, device=optimizer.device, dtype=torch.float)
     total = torch.where(total.isnan().logical_or(total.isinf()), err, total)

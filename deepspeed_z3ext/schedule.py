@@ -49,7 +49,10 @@ from typing import List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from deepspeed_z3ext import comms
 from deepspeed_z3ext.errors import Z3extError
+
+_CPU = torch.device("cpu")
 
 
 class ScheduleMismatchError(Z3extError, RuntimeError):
@@ -84,36 +87,40 @@ class Preagreement:
         self._engine = engine  # the C++ GatherEngine: its handles name the parameters
         self.exchanges = 0
 
-    def exchange(self, group, descriptor):
-        """The Python side's exchange before its own collective over `group` (a gloo group)."""
+    def exchange(self, group, descriptor, progress=None):
+        """The Python side's exchange before its own collective over `group` (a gloo group); its wait wakes
+        for the watchdog through `progress` ([Note: collective progress] in csrc/progress.h)."""
         self.exchanges += 1
         mine = torch.tensor(descriptor, dtype=torch.int64)
         world = dist.get_world_size(group)
         out = mine.repeat(world)
-        dist.all_gather_into_tensor(out, mine, group=group)
+        work = dist.all_gather_into_tensor(out, mine, group=group, async_op=progress is not None)
+        if progress is not None:
+            progress.wait(work)
         rows = out.view(world, len(descriptor)).tolist()
         if any(r != rows[0] for r in rows):
             self.disagree(rows)
 
     def disagree(self, rows):
         names = {h.ds_id: h.name for h in self._engine.handles}
-        what = "; ".join(f"rank {r}: {self._describe(names, row)}" for r, row in enumerate(rows))
+        what = "; ".join(f"rank {r}: {describe(names, row)}" for r, row in enumerate(rows))
         raise ScheduleMismatchError(
             f"z3ext: the ranks' next collectives differ ({what}). A rank ran a forward, a backward or a call the "
             "others did not (or in another order); every rank must make the same calls ([Note: one schedule on every "
             "rank] in deepspeed_z3ext/schedule.py). Raised before the collective on every rank: the engine's state "
             "is not to be trusted after this")
 
-    @staticmethod
-    def _describe(names, row):
-        kind, secondary, first, numel, tensors = row
-        text = KINDS.get(kind, f"collective kind {kind}")
-        if kind == 1:
-            text += f" of {tensors} parameter(s), {numel} elements, from {_module(names, first)}"
-            text += " over the node (hpZ)" if secondary else ""
-        elif numel >= 0:
-            text += f" of {numel} elements"
-        return text
+
+def describe(names, descriptor) -> str:
+    """A collective's descriptor (kind, hpZ, first ds_id, elements, tensors) in words; `names`: ds_id -> name."""
+    kind, secondary, first, numel, tensors = descriptor
+    text = KINDS.get(kind, f"collective kind {kind}")
+    if kind == 1:
+        text += f" of {tensors} parameter(s), {numel} elements, from {_module(names, first)}"
+        text += " over the node (hpZ)" if secondary else ""
+    elif numel >= 0:
+        text += f" of {numel} elements"
+    return text
 
 
 class RankAgreement:
@@ -126,19 +133,48 @@ class RankAgreement:
         self.device = _device(group)
         self.votes = 0
         self.preagreement: Optional[Preagreement] = None  # set on gloo ([Note: agree before the collective])
+        self.progress = None  # the C++ Progress the hang watchdog reads ([Note: hang watchdog] in watchdog.py)
+        self._gloo = {}       # id(group) -> whether its backend is gloo
 
-    def _before(self, kind, numel):
-        if self.preagreement is not None:
-            self.preagreement.exchange(self.group, [kind, 0, -1, numel, 1])
+    def collective(self, descriptor, issue, group=None):
+        """Runs `issue(async_op)`, a collective over `group` (default: the engine's) described by `descriptor`
+        (kind, hpZ, first ds_id, elements, tensors), recorded for the watchdog, after the ranks agree on it on gloo
+        ([Note: agree before the collective]); a gloo host wait wakes for the watchdog ([Note: collective
+        progress] in csrc/progress.h)."""
+        group = self.group if group is None else group
+        gloo = self._gloo.get(id(group))
+        if gloo is None:
+            gloo = self._gloo[id(group)] = dist.get_backend(group) == "gloo"
+        progress = self.progress
+        if progress is None:
+            if self.preagreement is not None and gloo:
+                self.preagreement.exchange(group, descriptor)
+            return issue(False)
+        index = progress.begin(descriptor)
+        try:
+            if self.preagreement is not None and gloo:
+                self.preagreement.exchange(group, descriptor, progress)
+            if gloo and not comms.enabled():  # the comms logger times a synchronous call, as stock's
+                work = issue(True)
+                if work is not None:
+                    progress.wait(work)
+                out = None
+            else:
+                out = issue(False)
+        except BaseException:
+            progress.end(index, _CPU)  # not pending: it raised
+            raise
+        progress.end(index, _CPU if gloo else self.device)
+        return out
 
     def all_true(self, flags: List[bool]) -> List[bool]:
         """Each flag ANDed over the ranks ([Note: one schedule on every rank])."""
         if self.world == 1:
             return list(flags)
         self.votes += 1
-        self._before(3, len(flags))
         t = torch.tensor(flags, dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self.collective([3, 0, -1, len(flags), 1],
+                        lambda async_op: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=async_op))
         return [bool(v) for v in t.tolist()]
 
     def agreed(self, what: str, values: List[int], minimum: Optional[int] = None) -> List[List[int]]:
@@ -173,19 +209,20 @@ class RankAgreement:
         behind the work already queued, so that neither this call nor a later `result()` waits for that
         work (the host would stall the step it is launching)."""
         n = len(values)
-        self._before(kind, n)
         src = torch.tensor(values, dtype=torch.int64)
         # The output starts as this rank's values in every row: a collective that does nothing (a simulated
         # world, bench/simworld) then reads as agreement, not as garbage.
         if self.device.type == "cpu":
             out = src.repeat(self.world)
-            dist.all_gather_into_tensor(out, src, group=self.group)
+            self.collective([kind, 0, -1, n, 1],
+                            lambda async_op: dist.all_gather_into_tensor(out, src, group=self.group, async_op=async_op))
             return Gathered(out.view(self.world, n), None)
         from deepspeed.accelerator import get_accelerator
         acc = get_accelerator()
         t = acc.pin_memory(src).to(self.device, non_blocking=True)
         out = t.repeat(self.world)
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        self.collective([kind, 0, -1, n, 1],
+                        lambda async_op: dist.all_gather_into_tensor(out, t, group=self.group, async_op=async_op))
         host = acc.pin_memory(torch.empty(self.world * n, dtype=torch.int64))
         host.copy_(out, non_blocking=True)
         ready = acc.Event()

@@ -25,7 +25,7 @@ from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, 
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
 
-from deepspeed_z3ext import claims, comms, schedule
+from deepspeed_z3ext import claims, comms, schedule, watchdog
 from deepspeed_z3ext.conditional import conditional_params
 from deepspeed_z3ext.epoch import TREE, watch_module_registrations
 from deepspeed_z3ext import deepspeed_private as private
@@ -114,6 +114,14 @@ class Z3extState:
             self.preagreement = schedule.Preagreement(self.engine)
             self.agreement.preagreement = self.preagreement
             self.engine.set_disagree(self.preagreement.disagree)
+        # [Note: hang watchdog] in watchdog.py: every z3ext collective is recorded; a stalled one is named
+        self.watchdog = None
+        if config.hang_timeout > 0 and self.agreement.world > 1:
+            progress = ops().Progress()
+            self.engine.set_progress(progress)
+            self.agreement.progress = progress
+            self.watchdog = watchdog.Watchdog(progress, self.agreement.group, config.hang_timeout,
+                                              lambda: {h.ds_id: h.name for h in self.engine.handles})
         self.schedule_check = (None if config.schedule_check == "off" else schedule.ScheduleCheck(
             self.engine, self.agreement, every_forward=config.schedule_check == "forward"))
         watch_module_registrations()  # [Note: tree epoch]
@@ -245,6 +253,8 @@ class Z3extState:
     def destroy(self):
         """Drops every claim, returns every buffer, hands the parameters back to stock DeepSpeed."""
         _LIVE.discard(self)
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.engine.destroy()
         for p in self.params:
             if self.owns(p):
