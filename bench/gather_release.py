@@ -77,6 +77,7 @@ VARIANTS = {
     "blockclaims": "z3ext re-fetching a block for backward all at once (fetch_group_claim_numel 1e12)",
     "hpz": "ZeRO++ hpZ: a second copy of the weights shared within each node of --hpz ranks",
     "divide": "z3ext dividing gradients before their reduction, as stock does (divide_after_reduce false)",
+    "nowatch": "z3ext without the hang watchdog (hang_timeout 0): no collective recorded, no watchdog thread",
 }
 
 
@@ -204,7 +205,7 @@ def build_system(name, a, device):
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "keepgrads", "nogroups",
-                                                "memberclaims", "blockclaims", "hpz", "divide")]
+                                                "memberclaims", "blockclaims", "hpz", "divide", "nowatch")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     if "hpz" in variants and (a.hpz < 2 or base not in ("stock", "z3ext")):
@@ -222,6 +223,8 @@ def build_system(name, a, device):
             options["free_grad_partitions"] = True
         if "keepgrads" in variants:
             options["free_grad_partitions"] = False
+        if "nowatch" in variants:
+            options["hang_timeout"] = 0
         if "divide" in variants:
             options["divide_after_reduce"] = False
         if "nogroups" in variants:

@@ -53,6 +53,7 @@ from deepspeed_z3ext import comms
 from deepspeed_z3ext.errors import Z3extError
 
 _CPU = torch.device("cpu")
+_HOST_WORLD = None  # the gloo group of the world's ranks votes go over on NCCL ([Note: votes on the host])
 
 
 class ScheduleMismatchError(Z3extError, RuntimeError):
@@ -168,14 +169,36 @@ class RankAgreement:
         return out
 
     def all_true(self, flags: List[bool]) -> List[bool]:
-        """Each flag ANDed over the ranks ([Note: one schedule on every rank])."""
+        """Each flag ANDed over the ranks ([Note: one schedule on every rank]), over the host ([Note: votes on
+        the host])."""
         if self.world == 1:
             return list(flags)
         self.votes += 1
-        t = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        group = self._host_group()
+        t = torch.tensor(flags, dtype=torch.int32, device=_CPU if group is not self.group else self.device)
         self.collective([3, 0, -1, len(flags), 1],
-                        lambda async_op: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=async_op))
+                        lambda async_op: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=async_op), group)
         return [bool(v) for v in t.tolist()]
+
+    def _host_group(self):
+        """[Note: votes on the host] A vote's flags are read by the host at once: on an accelerator that is two
+        host-device synchronisations (the flags' copy in, the result's out) on the path z3ext keeps free of
+        them. On NCCL over the whole world the vote goes over a gloo group of the same ranks instead, made at
+        the first vote (votes are rank-symmetric, so every rank makes it at the same point, as new_group
+        requires; ordinary training never votes and never makes it). A smaller NCCL group votes on the device
+        (its ranks alone cannot make a group of the world's)."""
+        if self.device.type == "cpu" or dist.get_backend(self.group) != "nccl" or \
+                self.world != dist.get_world_size():
+            return self.group
+        global _HOST_WORLD
+        if _HOST_WORLD is None:
+            try:
+                _HOST_WORLD = dist.new_group(backend="gloo")
+            except Exception as e:  # noqa: BLE001 (no gloo here: the device vote, as before)
+                from deepspeed.utils import logger
+                logger.warning(f"z3ext: no gloo group for the graph-death votes ({e}); they go over the device")
+                _HOST_WORLD = False
+        return _HOST_WORLD or self.group
 
     def agreed(self, what: str, values: List[int], minimum: Optional[int] = None) -> List[List[int]]:
         """Every rank's `values` (one tiny all-gather) for a call whose arguments shape the schedule

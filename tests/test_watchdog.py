@@ -1,0 +1,188 @@
+"""A collective that one rank never issues ends, within `z3ext.hang_timeout`, in a named error on every rank
+([Note: hang watchdog] in deepspeed_z3ext/watchdog.py), not in a hang.
+
+On real gloo ranks, each run under a hard timeout, with `hang_timeout` 3 s:
+- a rank stuck in user code (a Python loop) while the others wait in the next forward's all-gather: with the
+  pre-agreement on (the waiting is then in its exchange) and off (in the all-gather itself: NCCL's case, as
+  far as gloo shows it), at 2 and 4 ranks;
+- one rank runs an extra forward at the end while the others have stopped (pre-agreement off);
+- one rank's gather runs out of memory, the rank catches it and retries (the step's check names it: the
+  schedules realign a batch apart).
+Every rank, the stuck one included, raises a z3ext error naming the rank that has not arrived, where it is,
+and the module the others wait for, within the bound. The verdict itself (which rank, which collective) is
+checked on reports made by hand.
+"""
+import time
+
+import pytest
+
+from tests.harness import on_gpu, run_on_ranks
+
+HANG = 3.0
+BOUND = HANG + 4.0  # two polls (0.75 s each), the reports' exchange, a slice of the host wait, a loaded machine
+
+
+def _engine(agree=True, **z3ext):
+    from tests.models import build_engine, ds_config
+    return build_engine(ds_config(z3ext={"enabled": True, "agree_before_collectives": agree, "hang_timeout": HANG,
+                                         **z3ext}, persistence=0, ga=2))
+
+
+def _user_code(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # stuck in user code: a Python loop the watchdog can interrupt
+        time.sleep(0.05)
+
+
+def stuck(agree):
+    """The last rank stays in user code at step 3 for 5 x hang_timeout; returns (error name, message, seconds
+    from step 3's start to the error)."""
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import batch
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = _engine(agree)
+    t0 = None
+    try:
+        for i in range(6):
+            if i == 3:
+                t0 = time.monotonic()
+                if rank == world - 1:
+                    _user_code(5 * HANG)
+            x = batch(i, rank)
+            engine.backward(engine(x.cuda() if on_gpu() else x))
+            engine.step()
+        return ("finished", "", 0.0)
+    except deepspeed_z3ext.Z3extError as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def _check_stuck(out, world):
+    late = world - 1
+    for rank, (name, msg, seconds) in enumerate(out):
+        assert name == "RankTimeoutError", (rank, name, msg)
+        assert f"rank {late}: has not arrived at collective #" in msg, (rank, msg)
+        assert "test_watchdog.py" in msg and "_user_code" in msg, (rank, msg)  # where the stuck rank is
+        assert all(f"rank {r}: waiting in collective #" in msg for r in range(late)), (rank, msg)
+        assert "an all-gather" in msg or "exchange" in msg or "reduce-scatter" in msg, msg
+        assert seconds < BOUND, f"rank {rank} raised {seconds:.1f}s after the stall began: {msg}"
+    assert len({m for _, m, _ in out}) == 1, [m for _, m, _ in out]  # every rank names the same thing
+
+
+@pytest.mark.parametrize("world,agree", [(2, True), (2, False), (4, True)],
+                         ids=["2-agree", "2-no-agree", "4-agree"])
+def test_a_rank_stuck_in_user_code_is_named_on_every_rank(world, agree):
+    _check_stuck(run_on_ranks(stuck, world_size=world, timeout=120 * world // 2, pg_timeout=120, agree=agree), world)
+
+
+@pytest.mark.gpus(2)
+def test_a_rank_stuck_in_user_code_is_named_on_gpus():
+    """On NCCL the waiting rank's host does not wait: the watchdog sees the gather's fence pending, names the rank
+    and aborts the group; as ranks on one GPU (gloo) the fences are real, the waits the host's."""
+    out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=120, agree=False)
+    _check_stuck(out, len(out))
+
+
+def extra_forward_at_the_end():
+    """Rank 0 runs one more forward after the loop; the other ranks have stopped (user code until their watchdog
+    raises). Pre-agreement off: rank 0 waits in the all-gather itself."""
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import batch
+    rank = dist.get_rank()
+    engine = _engine(agree=False)
+    for i in range(2):
+        engine.backward(engine(batch(i, rank)))
+        engine.step()
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            engine(batch(9, rank))
+        else:
+            _user_code(5 * HANG)
+        return ("finished", "", 0.0)
+    except deepspeed_z3ext.Z3extError as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def test_an_extra_forward_on_one_rank_names_the_module_it_waits_for():
+    out = run_on_ranks(extra_forward_at_the_end, world_size=2, timeout=120, pg_timeout=120)
+    for rank, (name, msg, seconds) in enumerate(out):
+        assert name == "RankTimeoutError", (rank, name, msg)
+        assert "rank 0: waiting in collective #" in msg and "an all-gather" in msg and "from module '" in msg, msg
+        assert "rank 1: has not arrived at collective #" in msg, msg
+        assert seconds < BOUND, (rank, seconds, msg)
+
+
+def oom_then_retry():
+    """Rank 1's forward gather runs out of memory in step 1; it catches it and goes on (a retry loop)."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.faults import allocator
+    from tests.models import build_engine, ds_config
+    from tests.test_faults import B, _net
+    fa = allocator()
+    fa.install()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    eng = build_engine(ds_config(z3ext={"enabled": True, "hang_timeout": HANG}, persistence=0, mel=False, ga=1),
+                       model_fn=_net())
+    gathered = eng.module.odd.weight.ds_tensor.ds_numel * world * 4
+    t0, ooms = time.monotonic(), []
+    try:
+        for i in range(6):
+            x = torch.randn(B, 16, generator=torch.Generator().manual_seed(100 * i + rank))
+            if i == 1 and rank == 1:
+                fa.arm(gathered, 0)
+                t0 = time.monotonic()
+            try:
+                eng.backward(eng(x))
+                eng.step()
+            except torch.OutOfMemoryError:
+                ooms.append(i)
+            finally:
+                fa.disarm()
+        return ("finished", "", 0.0, ooms)
+    except deepspeed_z3ext.Z3extError as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0, ooms)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_out_of_memory_on_one_rank_then_a_retry_ends_in_a_named_error(world):
+    from tests.faults import allocator
+    allocator()
+    out = run_on_ranks(oom_then_retry, world_size=world, timeout=120 * world // 2, pg_timeout=120)
+    assert out[1][3] == [1] and all(o[3] == [] for r, o in enumerate(out) if r != 1), out
+    for rank, (name, msg, seconds, _) in enumerate(out):
+        assert name in ("ScheduleMismatchError", "RankTimeoutError"), (rank, name, msg)
+        # the module where the ranks' collectives differ, or (schedules realigned a batch apart) the rank that raised
+        assert "module '" in msg or ("an op raised on some ranks only" in msg and "rank 1: 1" in msg), (rank, msg)
+        assert seconds < BOUND, (rank, seconds, msg)
+
+
+def test_the_verdict_names_the_first_difference_the_late_rank_and_the_silent_one():
+    from deepspeed_z3ext.schedule import ScheduleMismatchError
+    from deepspeed_z3ext.watchdog import RankTimeoutError, verdict
+    names = {3: "blocks.0.fc1.weight", 7: "blocks.1.fc1.weight", 9: "head.weight"}
+
+    def rec(index, ds_id, state=0, kind=1):
+        return [index, kind, 0, ds_id, 64, 1, 1.0, state]
+
+    same = [rec(10, 3), rec(11, 7)]
+    # rank 1 gathered another module at #12: a mismatch, named by module on both ranks
+    reports = {0: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="a"),
+               1: dict(issued=13, since=-1, records=same + [rec(12, 3, 1)], where="b")}
+    cls, msg = verdict(reports, 2, 3.0, names)
+    assert cls is ScheduleMismatchError and "#12" in msg and "'head'" in msg and "'blocks.0.fc1'" in msg, msg
+    # rank 1 stopped after #11; rank 2 did not answer
+    reports = {0: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="a"),
+               1: dict(issued=12, since=5.0, records=same, where="train.py:7 in loop")}
+    cls, msg = verdict(reports, 3, 3.0, names)
+    assert cls is RankTimeoutError, msg
+    assert "rank 0: waiting in collective #12" in msg and "'head'" in msg, msg
+    assert "rank 1: has not arrived at collective #12" in msg and "train.py:7 in loop" in msg, msg
+    assert "rank 2: did not answer" in msg, msg
+    # every rank in the same collective: slow, not diverged (no error)
+    reports = {r: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="") for r in range(2)}
+    cls, msg = verdict(reports, 2, 3.0, names)
+    assert cls is None and "slow, not diverged" in msg, msg
