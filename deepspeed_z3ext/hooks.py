@@ -29,6 +29,7 @@ from deepspeed_z3ext._ops import ops
 from deepspeed_z3ext.conditional import is_conditional
 from deepspeed_z3ext.epoch import TREE
 from deepspeed_z3ext.graphs import tensors_in as _tensors
+from deepspeed_z3ext.lifted import LiftedHooks
 from deepspeed_z3ext.state import of_param
 
 
@@ -130,6 +131,7 @@ def register(offload, module):
     offload's `forward_hooks`, which DeepSpeed removes and re-registers through this same method."""
     boundary = ops().input_boundary
     counter = [0]
+    lifted = offload.__dict__.setdefault("z3ext_lifted", LiftedHooks())
 
     def visit(m):
         m.ds_id = counter[0]
@@ -143,8 +145,10 @@ def register(offload, module):
                     continue  # gathered with `m`, no hooks of its own ([Note: conditional modules])
                 counter[0] += 1
                 visit(child)
-        offload.forward_hooks.append(m.register_forward_pre_hook(_pre_forward))
-        offload.forward_hooks.append(m.register_forward_hook(_post_forward, always_call=True))
+        pre = m.register_forward_pre_hook(_pre_forward)
+        post = m.register_forward_hook(_post_forward, always_call=True)
+        # [Note: lifted hooks] in lifted.py: every module's but the root's may be lifted in a generation step
+        offload.forward_hooks.extend(lifted.add(m, pre, post) if m is not module else (pre, post))
 
     stack = private.forward_module_stack()
 

@@ -74,6 +74,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
                                                   group_claim_max_numel=z3ext_config.fetch_group_claim_numel,
                                                   resident_numel=z3ext_config.resident_numel)
         self.z3ext.coordinator = self.param_coordinator
+        self.param_coordinator.resident.lifted = self.z3ext_lifted  # [Note: lifted hooks] (set by hooks.register)
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
                  ranks=[0])
 

@@ -22,9 +22,9 @@ every rank keeps the same ones ([Note: one schedule on every rank] in schedule.p
 no_grad forward over the same tree ([Note: tree epoch]) needs no claim: nothing that can run inside a
 no_grad forward ends a Resident claim (a GatheredParameters exit drops its own kind, a direct
 `partition()` drops Direct claims). Its module hooks then keep DeepSpeed's module stack and nothing else
-(hooks.py): the host cost per module of a generated token approaches the unsharded model's. A module the
-forward that made the set did not run takes the full path, and the next forward takes it everywhere and
-makes the set again.
+(hooks.py), and the modules the set covers lose their hooks while it lasts ([Note: lifted hooks] in lifted.py):
+the host cost per module of a generated token approaches the unsharded model's. A module the forward that made
+the set did not run takes the full path, and the next forward takes it everywhere and makes the set again.
 """
 from deepspeed_z3ext import claims
 from deepspeed_z3ext.epoch import TREE
@@ -48,6 +48,7 @@ class ResidentSet:
         self.keeping = False    # this outermost forward keeps what it releases, within the budget
         self.explicit = False   # inside a `deepspeed_z3ext.resident` block
         self.generating = False  # the coming outermost call passes a KV cache (set by hooks.py, read once)
+        self.lifted = None       # LiftedHooks of the engine's modules ([Note: lifted hooks] in lifted.py)
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +87,10 @@ class ResidentSet:
         self.fast = self.fast_ids is not None and self._epoch == TREE.value
         if self.fast:
             self.forwards += 1
+            if self.lifted is not None:
+                self.lifted.lift(self.fast_ids)  # [Note: lifted hooks] in lifted.py
+        else:
+            self._unlift()
 
     def end_forward(self):
         """The outermost no_grad forward (not the fast path) ended: its modules form the fast path's set
@@ -102,6 +107,11 @@ class ResidentSet:
         self.fast = False
         self.fast_ids = None
         self._all_kept = False
+        self._unlift()
+
+    def _unlift(self):
+        if self.lifted is not None and self.lifted.active:
+            self.lifted.restore()
 
     def release(self):
         """Every Resident claim ends; units nothing else claims are released."""
@@ -114,6 +124,7 @@ class ResidentSet:
         """Resident claims were dropped by a sweep of everything (the step, a checkpoint)."""
         self.fast = False
         self.fast_ids = None
+        self._unlift()
         self.units.clear()
         self._params.clear()
         self.numel = 0

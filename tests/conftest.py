@@ -70,7 +70,7 @@ DEFAULT_TIER = (
     "test_conditional.py::test_per_expert_moe_routed_by_rank_equals_stock_with_a_leaf[2-fp32]",
     "test_conditional.py::test_a_module_some_ranks_skip_trains_as_with_a_dummy_input[2-fp32]",
     "test_conditional.py::test_detection_finds_expert_blocks_only",
-    "test_agreement.py::test_leak_check_on_one_rank_raises_on_every_rank",
+    "test_agreement.py::test_leak_check_on_one_rank_raises_on_every_rank[2]",
     "test_faults.py::test_a_fault_on_one_rank_ends_in_an_error_on_every_rank",
     "test_watchdog.py::test_a_rank_stuck_in_user_code_is_named_on_every_rank[2-no-agree]",
     "test_watchdog.py::test_the_verdict_names_the_first_difference",

@@ -1,6 +1,7 @@
 """Generation on 2 real gloo ranks ([Note: generation residency], [Note: resident fast path] in resident_set.py):
 HF `generate` on a tiny Llama gives stock ZeRO-3's tokens and scores bitwise, with the whole model resident
-(no gather after the prompt's forward, every later token on the fast path; evaluation and DPO's reference
+(no gather after the prompt's forward, every later token on the fast path with the layers' hooks lifted and
+put back in place when residency ends; evaluation and DPO's reference
 forward keep nothing), within a budget of half the
 model (what the ranks really hold stays within the budget, the window and one unit), with residency off,
 and inside TRL's whole-model GatheredParameters; residency ends at `train()`, at a grad-enabled forward, at
@@ -81,9 +82,11 @@ def generation_runs():
         budget = None
         if name == "z3ext-half":
             budget = total // 2
+        lifted = getattr(engine.optimizer.parameter_offload, "z3ext_lifted", None)  # [Note: lifted hooks]
         for i in range(2):  # a generation, training, a generation again
             if name.startswith("z3ext"):
                 before = deepspeed_z3ext.stats(engine)
+            hook_ids = [(list(m._forward_pre_hooks), list(m._forward_hooks)) for m in engine.module.modules()]
             peak = [0]
 
             def sample(m, a, y):
@@ -104,6 +107,10 @@ def generation_runs():
                 st = deepspeed_z3ext.stats(engine) if name.startswith("z3ext") else None
             for h in hooks:
                 h.remove()
+            if lifted is not None:  # the layers' hooks are out while the whole model is resident, the root's in
+                layer = engine.module.model.layers[0].mlp
+                r.setdefault("lifted", []).append((lifted.active, not layer._forward_pre_hooks,
+                                                   bool(engine.module._forward_pre_hooks)))
             r["tokens"].append(tokens)
             r["scores"].append(scores)
             r.setdefault("peak", []).append(peak[0])
@@ -118,6 +125,8 @@ def generation_runs():
                 if name == "z3ext":
                     engine.train()  # ends residency
                     r["after_train"] = (deepspeed_z3ext.stats(engine).resident_numel, deepspeed_z3ext.stats(engine).live_bytes)
+                    r["hooks_back"] = hook_ids == [(list(m._forward_pre_hooks), list(m._forward_hooks))
+                                                   for m in engine.module.modules()]  # in their places
                 r["losses"] = _train(engine, 2, rank)
                 if name.startswith("z3ext"):
                     r["after_step"] = deepspeed_z3ext.stats(engine).resident_numel
@@ -199,6 +208,7 @@ def test_the_whole_model_resident_gathers_once_per_generate(runs):
         r, off = res["z3ext"], res["z3ext-off"]
         # The prompt's forward keeps everything, every later token finds everything resident: no gather after it.
         assert r["fast"] == [NEW_TOKENS - 1] * 2, r["fast"]
+        assert r["lifted"] == [(True, True, True)] * 2 and r["hooks_back"], (r["lifted"], r["hooks_back"])
         assert r["after_first_forward"] == [0, 0] and off["after_first_forward"][1] > 0, (
             r["after_first_forward"], off["after_first_forward"])
         assert r["single_no_grad"] == (0, 0, True), r["single_no_grad"]
@@ -220,6 +230,7 @@ def test_a_budget_bounds_what_the_ranks_hold(runs):
         bound = budget + max(4 * 3000, r["unit_max_bytes"]) + r["unit_max_bytes"]
         assert max(r["peak"]) <= bound, (r["peak"], budget, r["unit_max_bytes"])
         assert r["fast"] == [0, 0]  # part of the model is gathered for every token
+        assert [lifted for lifted, _, _ in r["lifted"]] == [False, False], r["lifted"]
         # Fewer gathers than without residency, more than with the whole model resident.
         assert res["z3ext"]["collectives"][0] < r["collectives"][0] < res["z3ext-off"]["collectives"][0], (
             res["z3ext"]["collectives"], r["collectives"], res["z3ext-off"]["collectives"])
