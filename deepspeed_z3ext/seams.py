@@ -76,9 +76,10 @@ def _table():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 
-    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, norm, offload,
-                                 swap)
+    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, linear, norm,
+                                 offload, swap)
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -142,6 +143,9 @@ def _table():
              "gradient's copy too ([Note: fused unscale])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", norm.get_norm_groups,
              "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
+        Seam(LinearFunctionForZeroStage3, "apply", linear.no_grad_apply,
+             "memory_efficient_linear under no_grad on a z3ext weight runs its forward without autograd's "
+             "per-call binding ([Note: no_grad linear])"),
         Seam(stage3, "count_used_parameters_in_backward", grads.count_used_parameters,
              "the gradient hooks' count of the parameters a backward reaches, in one C++ call "
              "([Note: backward hook count])"),

@@ -234,3 +234,49 @@ def test_a_budget_bounds_what_the_ranks_hold(runs):
         # Fewer gathers than without residency, more than with the whole model resident.
         assert res["z3ext"]["collectives"][0] < r["collectives"][0] < res["z3ext-off"]["collectives"][0], (
             res["z3ext"]["collectives"], r["collectives"], res["z3ext-off"]["collectives"])
+
+
+def mel_no_grad():
+    """DeepSpeed's memory-efficient linear on, stock and z3ext engines: no_grad forwards and greedy tokens, and
+    how often the Function's setup_context ran ([Note: no_grad linear])."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as F
+    from tests.models import build_engine, ds_config
+    rank, out = dist.get_rank(), {}
+    calls = [0]
+    setup = F.__dict__["setup_context"]
+
+    def counted(ctx, inputs, output):
+        calls[0] += 1
+        return setup.__func__(ctx, inputs, output)
+
+    F.setup_context = staticmethod(counted)  # observes DeepSpeed's Function; z3ext's seam is on `apply`
+    try:
+        for name in ("stock", "z3ext"):
+            cfg = ds_config(z3ext=name == "z3ext", persistence=0, mel=True, ga=1,
+                            zero_extra={"stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 10**9})
+            engine = build_engine(cfg, model_fn=_llama, inside_init=False)
+            calls[0] = 0
+            with torch.no_grad():
+                logits = engine(input_ids=_prompt(rank, 3)).logits
+            no_grad_calls = calls[0]
+            tokens, scores = _generate(engine, _prompt(rank, 4))
+            calls[0] = 0
+            engine(input_ids=_prompt(rank, 5)).logits.sum()
+            out[name] = dict(logits=logits, tokens=tokens, scores=scores, no_grad_calls=no_grad_calls,
+                             grad_calls=calls[0])
+            engine.destroy()
+    finally:
+        F.setup_context = staticmethod(setup.__func__) if isinstance(setup, staticmethod) else setup
+    s, z = out["stock"], out["z3ext"]
+    return dict(logits=torch.equal(s["logits"], z["logits"]), tokens=torch.equal(s["tokens"], z["tokens"]),
+                scores=all(torch.equal(a, b) for a, b in zip(s["scores"], z["scores"])),
+                calls={n: (r["no_grad_calls"], r["grad_calls"]) for n, r in out.items()})
+
+
+def test_no_grad_memory_efficient_linear_is_stocks_bits_without_autograd():
+    for rank, r in enumerate(run_on_ranks(mel_no_grad, timeout=300)):
+        assert r["logits"] and r["tokens"] and r["scores"], (rank, r)
+        assert r["calls"]["z3ext"][0] == 0 and r["calls"]["stock"][0] > 0, r["calls"]  # no autograd in no_grad
+        assert r["calls"]["z3ext"][1] == r["calls"]["stock"][1] > 0, r["calls"]  # grad mode: DeepSpeed's apply

@@ -43,6 +43,7 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_prepare_fp32_grad_for_sub_group"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),
+    ("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply"),
     ("deepspeed.runtime.zero.stage3", None, "count_used_parameters_in_backward"),  # a module global
 ]
 

@@ -1,0 +1,30 @@
+"""DeepSpeed's memory-efficient linear without autograd's per-call cost where no graph is built.
+
+[Note: no_grad linear] With `memory_efficient_linear` (DeepSpeed's default) every `F.linear` of the process
+is `LinearFunctionForZeroStage3.apply`: an autograd Function whose `apply` binds its arguments through
+`inspect.signature` and runs `setup_context` (the saved tensors and the autocast state) on every call, also
+under `no_grad`, where nothing will ever read them. In a generated token that is most of what a linear
+layer costs on the host beyond its matmul. For a z3ext parameter with grad mode off, z3ext calls the
+Function's own `forward` (the same ops: `addmm` for a 2-D input with a bias, else `matmul` and the bias
+added in place), so the result is the same bits; with grad mode on, for any other weight (a stock engine's,
+a plain tensor) and for a subclass, DeepSpeed's `apply` runs as before.
+"""
+import torch
+
+from deepspeed_z3ext.state import of_param
+
+
+def no_grad_apply(stock):
+    """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut."""
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as owner
+    forward = owner.forward
+    apply_of = stock.__func__  # torch's Function.apply, for whichever class calls it
+    grad_enabled = torch.is_grad_enabled
+
+    def apply(cls, *args, **kwargs):
+        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and \
+                of_param(args[1]) is not None:
+            return forward(*args)
+        return apply_of(cls, *args, **kwargs)
+
+    return classmethod(apply)
