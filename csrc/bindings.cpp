@@ -81,7 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Progress, std::shared_ptr<Progress>>(m, "Progress")
       .def(py::init<>())
       .def("begin", &Progress::begin, py::arg("descriptor"))
-      .def("end", &Progress::end, py::arg("index"), py::arg("device"))
+      .def(  // on an accelerator, `device`'s current stream gets the fence
+          "end",
+          [](Progress& p, int64_t index, const at::Device& device) {
+            p.end(index, device.is_cpu() ? Fence() : Fence::record_current(device));
+          },
+          py::arg("index"), py::arg("device"))
       .def("wait", [](Progress& p, c10d::Work& work) { p.wait(work); }, py::arg("work"),
            py::call_guard<py::gil_scoped_release>())
       .def("abort", &Progress::abort, py::arg("error_type"), py::arg("message"))

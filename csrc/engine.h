@@ -472,6 +472,7 @@ class GatherEngine {
     for (auto& hp : params)
       outs.push_back(hp.first->stale ? hp.first->full : unshard_storage(*hp.first, dtype, device));
     Fence ready;
+    int64_t ended = -1;  // the progress record of this gather's collective ([Note: collective progress])
     stream_.run(device, [&] {
       std::vector<at::Tensor> flat;
       flat.reserve(params.size());
@@ -490,14 +491,16 @@ class GatherEngine {
           }
         }
         int64_t issued = 1;
+        int64_t numel = 0;
         {  // [Note: schedule fingerprint] in schedule.h
           std::vector<std::pair<int64_t, int64_t>> ids;
           ids.reserve(params.size());
-          for (auto& hp : params) ids.emplace_back(hp.first->ds_id, hp.first->numel);
+          for (auto& hp : params) {
+            ids.emplace_back(hp.first->ds_id, hp.first->numel);
+            numel += hp.first->numel;
+          }
           schedule_.note(ids.begin(), ids.end(), static_cast<int64_t>(dtype), secondary);
         }
-        int64_t numel = 0;
-        for (auto& hp : params) numel += hp.first->numel;
         const Descriptor desc{1, secondary ? 1 : 0, params.front().first->ds_id, numel,
                               static_cast<int64_t>(params.size())};
         const bool gloo = is_gloo(pg);
@@ -514,14 +517,15 @@ class GatherEngine {
             issued = static_cast<int64_t>(outs.size());
           }
         } catch (...) {
-          if (progress_) progress_->end(record, at::Device(at::kCPU));  // not pending: it raised
+          if (progress_) progress_->end(record, Fence());  // not pending: it raised
           throw;
         }
-        if (progress_) progress_->end(record, device);
+        ended = record;
         stats_.collectives += issued;
         if (secondary) stats_.secondary_collectives += issued;
       }
       ready = Fence::record_current(device);
+      if (ended >= 0) progress_->end(ended, ready);  // complete with the gather's own fence
     });
     if (defer) {
       bucket->ready = ready;

@@ -58,14 +58,13 @@ class Progress {
     return issued_++;
   }
 
-  // The host left collective `index`; on an accelerator `device`'s current stream gets a fence behind it.
-  void end(int64_t index, const at::Device& device) {
-    Fence f = device.is_cpu() ? Fence() : Fence::record_current(device);
+  // The host left collective `index`; `done` is a fence behind it (empty: complete now).
+  void end(int64_t index, Fence done) {
     std::lock_guard<std::mutex> lock(mutex_);
     ProgressRecord& r = ring_[index % kCapacity];
     if (r.index != index) return;  // overwritten (more than kCapacity since)
     r.end = now();
-    r.done = std::move(f);
+    r.done = std::move(done);
     last_return_ = r.end;
   }
 

@@ -21,7 +21,6 @@ class LiftedHooks:
         self._hooks = {}   # id(module) -> (module, pre-hook id, post-hook id): the lift-able ones
         self._lifted = {}  # id(module) -> (module, its three hook dicts' items before the lift)
         self._ids = None   # the module ids lifted for
-        self.lifts = 0     # fast paths that lifted hooks
 
     def add(self, module, pre_handle, post_handle):
         """A module's two hooks become lift-able; returns their handles, which forget the module when removed
@@ -53,7 +52,6 @@ class LiftedHooks:
             m._forward_pre_hooks.pop(pre, None)
             m._forward_hooks.pop(post, None)
             m._forward_hooks_always_called.pop(post, None)
-        self.lifts += 1
 
     def restore(self):
         """Every lifted hook back, in its place: hooks registered meanwhile after, hooks removed meanwhile gone."""

@@ -71,7 +71,6 @@ class Watchdog:
         self._thread = threading.get_ident()  # the training thread: the one that built the engine
         self._inquiry = 0     # inquiries closed without a verdict (every rank slow in one collective)
         self.verdict: Optional[str] = None
-        self.inquiries = 0
         _RUNNER.add(self)
 
     def close(self):
@@ -86,7 +85,6 @@ class Watchdog:
             self._store.compare_set(key, "", str(self.rank))  # the first rank to see a stall opens it
         elif not self._store.check([key]):
             return
-        self.inquiries += 1
         reports = self._exchange(key)
         cls, message = verdict(reports, self.world, self.timeout, self._names())
         if cls is None:  # every rank in one collective: slow, not diverged
