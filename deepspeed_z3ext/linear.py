@@ -9,22 +9,26 @@ Function's own `forward` (the same ops: `addmm` for a 2-D input with a bias, els
 added in place), so the result is the same bits; with grad mode on, for any other weight (a stock engine's,
 a plain tensor) and for a subclass, DeepSpeed's `apply` runs as before.
 """
+import inspect
+
 import torch
 
 from deepspeed_z3ext.state import of_param
 
 
-def no_grad_apply(stock):
+def no_grad_apply(_stock):
     """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut."""
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as owner
     forward = owner.forward
-    apply_of = stock.__func__  # torch's Function.apply, for whichever class calls it
+    # torch's `Function.apply` as the class holds it (a Python classmethod up to torch 2.13, a C one
+    # after), bound below to whichever class calls: a subclass keeps its own `cls`.
+    descriptor = inspect.getattr_static(owner, "apply")
     grad_enabled = torch.is_grad_enabled
 
     def apply(cls, *args, **kwargs):
         if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and \
                 of_param(args[1]) is not None:
             return forward(*args)
-        return apply_of(cls, *args, **kwargs)
+        return descriptor.__get__(None, cls)(*args, **kwargs)
 
     return classmethod(apply)
