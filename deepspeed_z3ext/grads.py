@@ -60,6 +60,18 @@ csrc/engine.h); a gradient accessor between steps (`safe_get_full_grad` and the 
 gradient in each window. On CUDA the buffer is freed on the compute stream after the step, when stock's
 epilogue has synchronised the reduce stream that wrote it. `false` restores stock's kept partitions.
 
+[Note: partitions as they reduce] Re-allocating the whole buffer at a window's first flush would put every
+gradient partition in memory at the start of backward, where activations peak (1.6 GB at GPT 6.7B,
+simulated world 8). So while the buffer is freed, a flush writes its parameters' partitions into a
+tensor of their own, zeroed, allocated on the compute stream as the flush starts ("pieces"; DeepSpeed's
+ds_id -> partition map points at them, and its epilogue lists them), and later flushes of the window
+accumulate there. The buffer comes back whole (`consolidate`: re-allocated, zeroed, the pieces copied
+into their places in one multi-tensor copy, the map and the step's partition lists pointed back at it,
+the pieces dropped) before anything reads it: the step's start (`_pre_step`, after the epilogue has
+synchronised the reduce stream), a gradient accessor, `offload_states`. The values are the ones the
+buffer would hold (a fresh piece starts at zeros, as the re-allocated buffer did). Cost: one copy of
+the partitions per step, and both at once for that copy (no activations are alive then).
+
 [Note: step gradient view] Stock's step hands the optimizer `flatten(averaged_gradients)`: a copy of
 every gradient partition into a new flat tensor, as large as this rank's fp32 master weights (3.6 GB at
 0.94B parameters on one rank), allocated at each step. The partitions are consecutive views of one
@@ -137,6 +149,7 @@ class GradReduceStats(NamedTuple):
     direct_reduce_scatters: int  # of reduce_scatters, those of one gradient without a layout ([Note: direct slices])
     divided_after_reduce: int   # of reduce_scatters, those whose shard was divided after it ([Note: divide after the reduce])
     partition_writes: int  # tensors written into the partitions: consecutive ones as one run ([Note: partition runs] in csrc/reduce.h)
+    partition_pieces: int  # partitions allocated by a flush while the buffer was freed ([Note: partitions as they reduce])
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -203,6 +216,8 @@ class GradReducer:
         self._conditional = state.conditional_params  # [Note: conditional modules] in conditional.py
         self._state = weakref.ref(state)
         self._freed = None  # (the buffer's data_ptr, its bytes) while freed
+        self._in_pieces = {}  # ds_id -> its view of the buffer, while its partition is in a piece ([Note: partitions as they reduce])
+        self._n_pieces = 0
         self._n_freed = 0
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
         self._runs = {}  # (buffer data_ptr, sub-group) -> (its partitions at that step, (offset, numel) or None)
@@ -216,7 +231,7 @@ class GradReducer:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
                                self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
                                self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused,
-                               self._n_direct, self._n_divided, self._n_writes)
+                               self._n_direct, self._n_divided, self._n_writes, self._n_pieces)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
@@ -261,10 +276,11 @@ class GradReducer:
             return
         t0 = time.perf_counter()
         optimizer = self._optimizer()
-        self.allocate_partitions()  # on the compute stream, before the reduce stream waits for it
         params = sorted(bucket.params, key=lambda p: p.ds_id)  # the same layout on every rank
         bucket.clear()
         partitions = private.grad_partitions(optimizer)
+        if self._freed is not None:  # on the compute stream, before the reduce stream waits for it
+            self._add_pieces(partitions, params)  # [Note: partitions as they reduce]
         group = group_of(params[0])
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
@@ -316,7 +332,10 @@ class GradReducer:
     def free_partitions(self):
         """The step is over ([Note: gradient partitions between steps])."""
         buffer = getattr(self._optimizer(), "grad_partitions_flat_buffer", None)
-        if not self._free_partitions or self._freed is not None or buffer is None:
+        if not self._free_partitions or buffer is None:
+            return
+        if self._freed is not None:
+            self._drop_pieces()  # a window whose step never consolidated (none reaches here today)
             return
         state = self._state()
         if state is not None and state.compiled:
@@ -327,17 +346,55 @@ class GradReducer:
         storage.resize_(0)
         self._n_freed += 1
 
-    def allocate_partitions(self):
-        """The gradient partitions hold memory again, zeroed (no-op unless freed)."""
+    def consolidate(self):
+        """The gradient partitions hold memory again, zeroed where no flush of the window wrote (no-op
+        unless freed) ([Note: partitions as they reduce])."""
         if self._freed is None:
             return
         old, nbytes = self._freed
         self._freed = None
-        buffer = self._optimizer().grad_partitions_flat_buffer
+        optimizer = self._optimizer()
+        buffer = optimizer.grad_partitions_flat_buffer
         buffer.untyped_storage().resize_(nbytes)
-        buffer.zero_()
+        partitions = private.grad_partitions(optimizer)
+        if len(self._in_pieces) < len(partitions):  # (else every element is copied from a piece)
+            buffer.zero_()
         new = buffer.data_ptr()  # the step view's cache follows the buffer ([Note: step view validity])
         self._runs = {(new if ptr == old else ptr, sub): run for (ptr, sub), run in self._runs.items()}
+        if self._in_pieces:
+            ids = list(self._in_pieces)
+            torch._foreach_copy_([self._in_pieces[i] for i in ids], [partitions[i] for i in ids])
+            self._drop_pieces()
+
+    def _drop_pieces(self):
+        """DeepSpeed's map and its epilogue's lists point at the buffer again; the pieces are freed."""
+        in_pieces, self._in_pieces = self._in_pieces, {}
+        if not in_pieces:
+            return
+        optimizer = self._optimizer()
+        partitions = private.grad_partitions(optimizer)
+        back = {id(partitions[i]): view for i, view in in_pieces.items()}
+        for i, view in in_pieces.items():
+            partitions[i] = view
+        for grads in optimizer.averaged_gradients.values():
+            if grads:
+                grads[:] = [back.get(id(g), g) for g in grads]
+
+    def _add_pieces(self, partitions, params):
+        """`params`' partitions that are not in a piece yet get one, zeroed, in one allocation."""
+        in_pieces = self._in_pieces
+        new = [p for p in params if p.ds_id not in in_pieces]
+        if not new:
+            return
+        flat = partitions[new[0].ds_id]
+        piece = torch.zeros(sum(p.partition_numel() for p in new), dtype=flat.dtype, device=flat.device)
+        self._n_pieces += 1
+        offset = 0
+        for p in new:
+            n = p.partition_numel()
+            in_pieces[p.ds_id] = partitions[p.ds_id]  # the buffer's view, for consolidate
+            partitions[p.ds_id] = piece.narrow(0, offset, n)
+            offset += n
 
     def _restore(self, params, group):
         """A flush raised: the gradients it had not written yet are the bucket again."""
@@ -436,7 +493,7 @@ class GradReducer:
             p.grad = None
         self.bucket.clear()
         self.end_pass()
-        self.allocate_partitions()  # a window without any flush steps on zeros
+        self.consolidate()  # a window without any flush steps on zeros
 
 
 def _slices(params, limit, world):
@@ -642,7 +699,7 @@ def offload_states(stock):
     def offload_states_(self, *args, **kwargs):
         reducer = reducer_of(self)
         if reducer is not None:
-            reducer.allocate_partitions()  # DeepSpeed copies the buffer out
+            reducer.consolidate()  # DeepSpeed copies the buffer out
         return stock(self, *args, **kwargs)
 
     return offload_states_
@@ -654,7 +711,7 @@ def partitions_first(stock):
     def accessor(self, *args, **kwargs):
         reducer = reducer_of(self)
         if reducer is not None:
-            reducer.allocate_partitions()
+            reducer.consolidate()
         return stock(self, *args, **kwargs)
 
     return accessor

@@ -192,8 +192,11 @@ def check(results, case, norm_rtol=0.0):
             # after every step, and after every step an fp16 overflow skipped
             assert r["z3_between"] == [0] * len(r["z3_between"]) and st["partitions_freed"] == len(r["z3_losses"]) // ga, \
                 (r["z3_between"], st)
+            # [Note: partitions as they reduce]: every window after the first (the buffer is freed after its step)
+            assert st["partition_pieces"] >= st["partitions_freed"] - 1, st
         else:
             assert r["z3_between"] == r["stock_between"] and st["partitions_freed"] == 0, (r["z3_between"], st)
+            assert st["partition_pieces"] == 0, st
         # DeepSpeed's bucket buffer (reduce_bucket_size elements) is freed.
         assert r["stock_bucket"] and all(n > 0 for n in r["stock_bucket"]) and all(n == 0 for n in r["z3_bucket"])
     if "fp16" in case:
@@ -230,3 +233,61 @@ def test_gradient_path_on_gpu(case, world):
                  if a is not None and b is not None and a not in (0.0, b)), default=0.0)
     print(f"[{case}, {world} GPU] largest relative difference of the gradient norm from stock's: {worst:.3e}")
     check(results, case, norm_rtol=1e-9)
+
+
+def held_in_backward(width=1024, layers=8, probe=5):
+    """Bytes a rank holds (glibc's count, tests/test_true_release.py) when backward reaches layer `probe`'s
+    output, over what it held as the step began, with the gradient partitions freed between steps (the
+    default) and kept (stock's); the third step, so that a freed window follows a step."""
+    import gc
+    import torch
+    import torch.nn as nn
+    from tests.models import build_engine, ds_config
+    from tests.test_true_release import _in_use_bytes
+    from deepspeed_z3ext import grad_stats
+
+    seen = []
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                if i == probe and x.requires_grad:
+                    x.register_hook(lambda g: seen.append(_in_use_bytes()))
+            return x.square().mean()
+
+    out = {}
+    for free in (True, False):
+        z3ext = {"enabled": True, "free_grad_partitions": free}
+        # one layer's gradient per bucket: a flush per layer as backward goes
+        cfg = ds_config(z3ext=z3ext, persistence=0, mel=False, ga=1, zero_extra={"reduce_bucket_size": width * width})
+        eng = build_engine(cfg, model_fn=Stack)
+        deltas = []
+        for step in range(3):
+            x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+            gc.collect()
+            before = _in_use_bytes()
+            seen.clear()
+            eng.backward(eng(x))
+            deltas.append(seen[0] - before)
+            eng.step()
+        out[free] = dict(deltas=deltas, pieces=grad_stats(eng).partition_pieces,
+                         buffer=eng.optimizer.grad_partitions_flat_buffer.numel() * 4)
+        eng.destroy()
+        gc.collect()
+    return out
+
+
+def test_gradient_partitions_held_in_backward_only_as_they_reduce():
+    """[Note: partitions as they reduce]: between steps the partitions are freed; in the next backward a rank
+    holds only those of the layers reduced so far, not the whole buffer (8 layers of 2 MiB per rank here, at most
+    2 reduced when measured; glibc's count moves by about 1 MiB between steps of the same program)."""
+    for rank, r in enumerate(run_on_ranks(held_in_backward, timeout=300)):
+        layer = r[True]["buffer"] // 8
+        extra = r[True]["deltas"][2] - r[False]["deltas"][2]  # freed minus kept, at the same point of backward
+        assert r[True]["pieces"] > 0 and r[False]["pieces"] == 0, (rank, r)
+        assert extra <= 3 * layer, (rank, extra, layer, r)  # the whole buffer would be 8 layers
