@@ -208,7 +208,7 @@ if [[ $what == simworld ]]; then
   budget=${SIM_BUDGET:-570}
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}  # SIM_BIG, SIM_EXTRA: CPU dry runs
   results=()
-  # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens); SIM_ADD: systems added to each (",z3ext-nogroups");
+  # SIM_RUNS: which runs ("narrow": 32x1024, 4x1024 tokens; "moe": 8 blocks of 32 expert modules); SIM_ADD: systems added to each (",z3ext-nogroups");
   # hpZ in nodes of 8: SIM_EXTRA="--hpz 8" SIM_ADD=",stock-mel-hpz,z3ext-hpz" (bench/NOTES.md v19);
   # SIM_ROUNDS, SIM_STEPS: interleaved rounds and timed steps per round (default 2 x 4); SIM_SKIP (default
   # "stock-mel z3ext-nohold", "" for none): systems left out of every run
@@ -225,6 +225,9 @@ if [[ $what == simworld ]]; then
     set -- $run
     if [[ $1 == 6.7B ]]; then shape=$big systems=stock-mel,fsdp2,z3ext,z3ext-nohold
     elif [[ $1 == narrow ]]; then shape="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+      systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
+    elif [[ $1 == moe ]]; then  # per-expert MoE: 8 blocks of 32 expert modules (top 2), 4x1024 tokens
+      shape="--model moe --layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 --seq 1024 --micro-batch 4"
       systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold
     else shape="" systems=unsharded,stock-mel,fsdp2,z3ext,z3ext-nohold; fi
     systems+=${SIM_ADD:-}

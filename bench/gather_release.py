@@ -101,10 +101,10 @@ class GPTBlock(nn.Module):
 
 class GPT(nn.Module):
 
-    def __init__(self, vocab, hidden, layers, heads):
+    def __init__(self, vocab, hidden, layers, heads, block=None):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(GPTBlock(hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList((block or GPTBlock)(hidden, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
@@ -114,6 +114,55 @@ class GPT(nn.Module):
             x = b(x)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+
+
+class Expert(nn.Module):
+
+    def __init__(self, h, ffn):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routing over `experts` expert modules, each its own module in a ModuleList (DeepSpeed's MoE layer,
+    Switch, most research code): a Python loop over the experts the tokens reach."""
+
+    def __init__(self, h, experts, ffn, topk):
+        super().__init__()
+        self.topk = topk
+        self.router = nn.Linear(h, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(h, ffn) for _ in range(experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.softmax(self.router(flat).float(), dim=-1).topk(self.topk, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None].to(flat.dtype))
+        return out.view_as(x)
+
+
+class MoEBlock(GPTBlock):
+    """A GPT block whose MLP is a mixture of per-expert modules."""
+
+    def __init__(self, h, heads, experts, ffn, topk):
+        nn.Module.__init__(self)
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.moe = MoE(h, experts, ffn, topk)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
+        return x + self.moe(self.ln2(x))
 
 
 class LinearStack(nn.Module):
@@ -132,12 +181,16 @@ class LinearStack(nn.Module):
 def make_model(a):
     if a.model == "gpt":
         return GPT(a.vocab, a.hidden, a.layers, a.heads)
+    if a.model == "moe":
+        ffn = a.expert_ffn or max(1, a.hidden // 2)
+        return GPT(a.vocab, a.hidden, a.layers, a.heads,
+                   block=lambda h, heads: MoEBlock(h, heads, a.experts, ffn, a.topk))
     return LinearStack(a.layers, a.hidden)
 
 
 def make_input(a, device, tiny=False):
     g = torch.Generator().manual_seed(7)
-    if a.model == "gpt":
+    if a.model in ("gpt", "moe"):
         shape = (1, 8) if tiny else (a.micro_batch, a.seq)
         return torch.randint(0, a.vocab, shape, generator=g).to(device)
     rows = 1 if tiny else a.micro_batch * a.seq
@@ -360,7 +413,11 @@ def raw_all_gather(a, device, unit_bytes, total_bytes, repeats):
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
-    p.add_argument("--model", choices=["gpt", "linear"], default="gpt" if gpu else "linear")
+    p.add_argument("--model", choices=["gpt", "moe", "linear"], default="gpt" if gpu else "linear",
+                   help="moe: a GPT whose MLPs are --experts expert modules each (top --topk routing)")
+    p.add_argument("--experts", type=int, default=32, help="moe: experts per block")
+    p.add_argument("--topk", type=int, default=2, help="moe: experts per token")
+    p.add_argument("--expert-ffn", type=int, default=None, help="moe: an expert's hidden width (default hidden / 2)")
     p.add_argument("--layers", type=int, default=16 if gpu else 200)
     p.add_argument("--hidden", type=int, default=2048 if gpu else 64)
     p.add_argument("--heads", type=int, default=16)
@@ -1111,7 +1168,8 @@ def say_start(a, how):
     new user never faces minutes of silence."""
     names = [s for s in a.systems.split(",") if s] + [f"z3ext@{b}" for b in a.sweep.split(",") if b]
     model = (f"GPT of {a.layers} blocks, hidden {a.hidden}" if a.model == "gpt" else
-             f"{a.layers} x Linear({a.hidden}, {a.hidden})")
+             f"GPT of {a.layers} blocks, hidden {a.hidden}, {a.experts} expert modules per block (top {a.topk})"
+             if a.model == "moe" else f"{a.layers} x Linear({a.hidden}, {a.hidden})")
     print(f"# gather_release: {how}; model {model}; {len(names)} systems ({', '.join(names)}), each "
           f"{a.rounds} round(s) x {a.steps} timed steps after {a.warmup} warm-up", flush=True)
     cpu = "" if torch.cuda.is_available() else " and DeepSpeed its CPU communication op"

@@ -10,8 +10,8 @@ Greedy decoding in `torch.no_grad`, batch B, prompt P, N new tokens. Per system:
 interleaved rounds; and on GPU the peak the CUDA allocator saw during the call above what the system held
 before it. Systems:
 - unsharded: the whole model on the device;
-- stock, z3ext: ZeRO-3 engines (inference: no optimizer); z3ext at its default budget
-  (stage3_max_live_parameters less stage3_prefetch_bucket_size);
+- stock, z3ext: ZeRO-3 engines (inference: no optimizer); z3ext at its default budget (sized from memory,
+  [Note: resident budget]; with --max-live, stage3_max_live_parameters less stage3_prefetch_bucket_size);
 - z3ext@F: z3ext with `z3ext.resident_numel` = F x the model's elements (1, 0.5, 0.25; 0: off);
 - stock-trl, z3ext-trl: TRL's `unwrap_model_for_generation` with ds3_gather_for_generation (its
   remove_hooks, a GatheredParameters block over the whole model, add_hooks after);
@@ -57,7 +57,8 @@ def parse(argv=None):
                                         "z3ext-gathered")
     p.add_argument("--persistence", type=int, default=100_000 if gpu else 0)
     p.add_argument("--prefetch-bucket", type=int, default=50_000_000)
-    p.add_argument("--max-live", type=int, default=1_000_000_000)
+    p.add_argument("--max-live", type=int, default=None,
+                   help="stage3_max_live_parameters (default: not set, as DeepSpeed's default config)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU host time)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -78,9 +79,10 @@ def llama_config(a):
 def ds_config(a, z3ext):
     cfg = {"train_micro_batch_size_per_gpu": a.batch,
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": a.persistence,
-                                 "stage3_prefetch_bucket_size": a.prefetch_bucket,
-                                 "stage3_max_live_parameters": a.max_live},
+                                 "stage3_prefetch_bucket_size": a.prefetch_bucket},
            "steps_per_print": 10**9}
+    if a.max_live is not None:
+        cfg["zero_optimization"]["stage3_max_live_parameters"] = a.max_live
     if torch.cuda.is_available():
         cfg["bf16"] = {"enabled": True}
     if z3ext is not None:
@@ -297,7 +299,7 @@ def legend(res):
         "stock": "DeepSpeed ZeRO-3 as shipped: this rank keeps 1/N of the weights and fetches each layer's "
                  "before it runs, for every token",
         "z3ext": "the same with this package, which keeps the weights of one token's forward for the next "
-                 "(up to its default budget: stage3_max_live_parameters less stage3_prefetch_bucket_size)",
+                 "(up to its default budget: sized from memory, or with --max-live that less the prefetch bucket)",
         "z3ext@F": "z3ext keeping at most F x the model's weights between tokens (z3ext.resident_numel; 1: all, "
                    "0: none)",
         "stock-trl": "TRL's unwrap_model_for_generation: all weights fetched once before generate, hooks removed",

@@ -51,8 +51,9 @@ def _child(a):
     import torch
     import gather_release as gr
     torch.set_num_threads(1)
-    ga = gr.parse(["--model", "gpt", "--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq),
-                   "--micro-batch", "1", "--sim-world", str(a.sim_world), "--dtype", "fp32"])
+    ga = gr.parse(["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq),
+                   "--micro-batch", "1", "--sim-world", str(a.sim_world), "--dtype", "fp32",
+                   "--experts", str(a.experts)])
     device = torch.device("cpu")
     deepspeed.init_distributed()
     s = gr.build_system(a.child, ga, device)
@@ -93,7 +94,8 @@ def _count(a, system, phase, shim, work) -> float:
     cmd = ["valgrind", "--tool=callgrind", "--trace-children=no", "--instr-atstart=no", "--collect-atstart=no",
            f"--callgrind-out-file={work}/{system}-{phase}.%p", sys.executable, __file__, "--child", system,
            "--phase", phase, "--shim", str(shim), "--iters", str(a.iters), "--layers", str(a.layers),
-           "--hidden", str(a.hidden), "--seq", str(a.seq), "--sim-world", str(a.sim_world)]
+           "--hidden", str(a.hidden), "--seq", str(a.seq), "--sim-world", str(a.sim_world), "--model", a.model,
+           "--experts", str(a.experts)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     text = log.read_text()
@@ -107,6 +109,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="unsharded,z3ext")
     p.add_argument("--phases", default=",".join(PHASES), help="tiny (no_grad 1x8 forward), fwd, bwd")
+    p.add_argument("--model", choices=["gpt", "moe"], default="gpt", help="moe: --experts expert modules per block")
+    p.add_argument("--experts", type=int, default=32)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seq", type=int, default=8, help="tokens of the training batch (one sequence)")
@@ -127,7 +131,8 @@ def main():
     shim = _shim(out)
     work = Path(tempfile.mkdtemp(prefix="host-instr-", dir=out))
     counts = {(s, ph): _count(a, s, ph, shim, work) for s in systems for ph in phases}
-    print(f"# host instructions (callgrind, M per call, 1 thread): GPT {a.layers}x{a.hidden}, {a.seq} tokens, "
+    experts = f" with {a.experts} expert modules per block" if a.model == "moe" else ""
+    print(f"# host instructions (callgrind, M per call, 1 thread): GPT {a.layers}x{a.hidden}{experts}, {a.seq} tokens, "
           f"fp32, CPU; simulated world {a.sim_world}: no communication time, values wrong")
     print("      system" + "".join(f"{ph:>10}" for ph in phases))
     for s in systems:

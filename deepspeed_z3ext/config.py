@@ -53,7 +53,9 @@ class Z3extConfig(BaseModel):
     """Elements that generation steps (no_grad forwards given a KV cache, one per token; or any no_grad forward
     inside `deepspeed_z3ext.resident`) keep gathered for the next one, until another kind of forward, a
     backward, `train()`, the step or `deepspeed_z3ext.release_resident` ([Note: generation residency] in
-    resident_set.py). Default: stage3_max_live_parameters less stage3_prefetch_bucket_size; 0: off."""
+    resident_set.py). Default: stage3_max_live_parameters less stage3_prefetch_bucket_size; where neither this
+    nor the live budget is set, sized from memory at each generation round's start ([Note: resident budget]);
+    0: off."""
 
     plan_warning_steps: StrictInt = Field(0, ge=0)
     """Log a warning when a forward leaves the recorded module order, at most once per this many

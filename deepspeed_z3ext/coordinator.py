@@ -9,7 +9,7 @@ import contextlib
 import functools
 
 import torch
-from deepspeed.utils import logger
+from deepspeed.utils import log_dist, logger
 
 from deepspeed_z3ext import claims, groups
 from deepspeed_z3ext.groups import MemberClaims
@@ -19,11 +19,23 @@ from deepspeed_z3ext.plan import ForwardPlan
 from deepspeed_z3ext.resident_set import ResidentSet
 from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
+_RESIDENT_SHARE = 0.5  # of the free memory, what generation may keep gathered ([Note: resident budget])
+
+
+def _free_bytes(device) -> int:
+    """What this rank could still allocate on `device`: the device's free memory and the CUDA allocator's cached,
+    unused blocks; on the CPU, the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+    return psutil.virtual_memory().available
+
 
 class Z3extCoordinator:
 
     def __init__(self, state, max_live_numel, prefetch_bucket_numel, hold_for_backward=True, hold_max_numel=None,
-                 group_max_numel=None, group_claim_max_numel=None, resident_numel=None):
+                 group_max_numel=None, group_claim_max_numel=None, resident_numel=None, resident_from_memory=False):
         self.state = state
         self.plans = {True: ForwardPlan(), False: ForwardPlan()}  # by grad mode, see [Note: forward plan]
         self.plan = self.plans[True]
@@ -55,8 +67,10 @@ class Z3extCoordinator:
         # [Note: generation residency] in resident_set.py: by default what the live budget leaves beside the window
         if resident_numel is None:
             resident_numel = max(0, max_live_numel - max(prefetch_bucket_numel, 0))
-        self.resident = ResidentSet(state.engine, resident_numel)
+        self.resident = ResidentSet(state.engine, resident_numel,
+                                    self._resident_from_memory if resident_from_memory else None)
         self._noting = False  # this outermost forward is a no_grad one whose units may stay resident
+        self._resident_logged = False
         self.backward_claims = BackwardClaims(state.engine, state.agreement)
         self._in_step = False  # inside the optimizer's step (optimizer_step)
         # [Note: fetch groups] in groups.py: formed when the first plan is adopted
@@ -65,6 +79,23 @@ class Z3extCoordinator:
                                  group_claim_max_numel)  # [Note: group claims] in groups.py
         self._groups_formed = False
         self._covered = {}  # id(member) -> its open FetchGroup
+
+    def _resident_from_memory(self):
+        """[Note: resident budget] in resident_set.py: the elements half of this rank's free memory holds, at
+        most the model's, the smallest over the ranks."""
+        params = self.state.params
+        if not params:
+            return 0
+        need = sum(p.ds_numel for p in params)
+        numel = min(need, int(_free_bytes(params[0].device) * _RESIDENT_SHARE) // params[0].element_size())
+        agreement = self.state.agreement
+        if agreement is not None and agreement.world > 1:
+            numel = min(row[0] for row in agreement.all_gather([numel], kind=5))
+        if not self._resident_logged:
+            self._resident_logged = True
+            log_dist(f"z3ext: generation keeps up to {numel} of the model's {need} elements gathered (half of the "
+                     "free memory, the smallest over the ranks; z3ext.resident_numel sets it)", ranks=[0])
+        return numel
 
     # -- DeepSpeed's trace interface: z3ext's own plan (plan.py) replaces it; nothing to invalidate --
     def trace_prologue(self, sub_module):

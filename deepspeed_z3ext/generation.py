@@ -33,7 +33,7 @@ def resident(model, numel=None):
     budget, explicit = res.budget, res.explicit
     coordinator.release_resident()  # what an earlier generation kept counts against another budget
     # [Note: arguments that must agree] in schedule.py: every rank keeps within the smallest budget
-    wanted = budget if numel is None else numel
+    wanted = res.default_budget() if numel is None else numel
     rows = coordinator.state.agreement.agreed("deepspeed_z3ext.resident(engine, numel)", [wanted], minimum=0)
     res.budget = min(r[0] for r in rows)
     res.explicit = True  # every no_grad forward inside keeps, the first one too

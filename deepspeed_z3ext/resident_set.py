@@ -7,7 +7,8 @@ the model its KV cache (`past_key_values`, `cache` since transformers 5.25; hook
 module's keyword arguments), prompt included; inside a `deepspeed_z3ext.resident(engine, numel)` block every no_grad forward counts as one.
 In such a forward, at the end of a module's forward its unit takes a Resident claim while the resident
 elements stay within `z3ext.resident_numel` (default: stage3_max_live_parameters less
-stage3_prefetch_bucket_size, which stays free for the window); units past the budget are released as
+stage3_prefetch_bucket_size, which stays free for the window; more when memory allows, [Note: resident
+budget]); units past the budget are released as
 before and gathered ahead along the plan ([Note: prefetch window], which passes over resident units).
 Resident parameters, what is ahead and the running module's unit bound what the forward holds. No other
 forward keeps anything: evaluation, a reference model's forward (TRL's DPO and GRPO), a forward whose
@@ -25,6 +26,17 @@ no_grad forward ends a Resident claim (a GatheredParameters exit drops its own k
 (hooks.py), and the modules the set covers lose their hooks while it lasts ([Note: lifted hooks] in lifted.py):
 the host cost per module of a generated token approaches the unsharded model's. A module the forward that made
 the set did not run takes the full path, and the next forward takes it everywhere and makes the set again.
+
+[Note: resident budget] The live budget's default (1e9 elements) keeps a 0.94B model resident but only a
+seventh of a 6.7B one, whose every token then gathers the rest again, although an H200 at world 8 has
+room for all of it. So where neither `z3ext.resident_numel` nor stage3_max_live_parameters was set, each
+generation round (from its first step to the release of its Resident claims) starts by sizing the budget
+from memory: the model's elements, or as many as half of the device's free memory holds (the CUDA
+allocator's cached blocks count as free; on the CPU, the host's available memory), at least the live
+budget's default. The other half stays for what generation allocates (its KV cache, activations). Each
+rank measures its own memory, and the ranks take the smallest (one tiny all-gather at the round's first
+step: every rank starts a round at the same call), so they keep the same units. A budget set by hand is
+used as it is.
 """
 from deepspeed_z3ext import claims
 from deepspeed_z3ext.epoch import TREE
@@ -32,9 +44,12 @@ from deepspeed_z3ext.epoch import TREE
 
 class ResidentSet:
 
-    def __init__(self, engine, budget_numel: int):
+    def __init__(self, engine, budget_numel: int, size_from_memory=None):
         self.engine = engine
         self.budget = budget_numel
+        self._base = budget_numel
+        self._size_from_memory = size_from_memory  # () -> elements, agreed by the ranks ([Note: resident budget])
+        self._round = False     # a generation round is under way (its budget decided)
         self.units = set()   # keys (ids of the modules whose release kept their unit)
         self._params = set()  # ds_ids of the parameters resident (units overlap: a block's and its members')
         self.numel = 0
@@ -50,9 +65,15 @@ class ResidentSet:
         self.generating = False  # the coming outermost call passes a KV cache (set by hooks.py, read once)
         self.lifted = None       # LiftedHooks of the engine's modules ([Note: lifted hooks] in lifted.py)
 
+    def default_budget(self) -> int:
+        """The budget when none is given: the configured one, or sized from memory ([Note: resident budget])."""
+        if self._size_from_memory is None:
+            return self._base
+        return max(self._base, self._size_from_memory())
+
     @property
     def enabled(self) -> bool:
-        return self.budget > 0
+        return self.budget > 0 or self._size_from_memory is not None
 
     def keep(self, key, unit) -> bool:
         """A no_grad forward released `unit` (of module `key`): it stays gathered if it fits the budget."""
@@ -84,6 +105,10 @@ class ResidentSet:
         if not self.keeping:
             self.release()
             return
+        if not self._round:
+            self._round = True
+            if not self.explicit:  # (a `resident` block decided its own)
+                self.budget = self.default_budget()
         self.fast = self.fast_ids is not None and self._epoch == TREE.value
         if self.fast:
             self.forwards += 1
@@ -128,3 +153,4 @@ class ResidentSet:
         self.units.clear()
         self._params.clear()
         self.numel = 0
+        self._round = False

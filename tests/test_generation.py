@@ -280,3 +280,52 @@ def test_no_grad_memory_efficient_linear_is_stocks_bits_without_autograd():
         assert r["logits"] and r["tokens"] and r["scores"], (rank, r)
         assert r["calls"]["z3ext"][0] == 0 and r["calls"]["stock"][0] > 0, r["calls"]  # no autograd in no_grad
         assert r["calls"]["z3ext"][1] == r["calls"]["stock"][1] > 0, r["calls"]  # grad mode: DeepSpeed's apply
+
+
+def budget_from_memory(rank1_free=None):
+    """[Note: resident budget]: no budget set, and a prefetch bucket that leaves the live budget's default room for 100
+    elements: generation sizes its budget from memory. `rank1_free`: the free bytes rank 1's host reports (its
+    process's psutil answer), so that the ranks measure different memory."""
+    import psutil
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import build_engine, ds_config
+    rank = dist.get_rank()
+    if rank1_free is not None and rank == 1:
+        real = psutil.virtual_memory
+        psutil.virtual_memory = lambda: real()._replace(available=rank1_free)
+    out = {}
+    for name, zero_extra in (("sized", {}), ("live-set", {"stage3_max_live_parameters": 10**9})):
+        cfg = ds_config(z3ext=True, persistence=0, mel=False, ga=1,
+                        zero_extra={"stage3_prefetch_bucket_size": 10**9 - 100, **zero_extra})
+        engine = build_engine(cfg, model_fn=_llama, inside_init=False)
+        total = sum(p.ds_numel for p in engine.module.parameters())
+        element = next(engine.module.parameters()).element_size()
+        tokens, _ = _generate(engine, _prompt(rank, 1))
+        kept = deepspeed_z3ext.stats(engine).resident_numel  # gathered and claimed Resident after the last token
+        held = _stored_bytes(engine) // element  # what the parameters really hold now
+        with deepspeed_z3ext.resident(engine):  # no numel: the same default
+            _generate(engine, _prompt(rank, 2))
+            in_block = deepspeed_z3ext.stats(engine).resident_numel
+        out[name] = dict(total=total, kept=kept, held=held, in_block=in_block, tokens=tokens.tolist())
+        engine.destroy()
+    return out
+
+
+def test_generation_budget_sized_from_memory_when_none_is_set():
+    """The whole model stays gathered where nothing bounds it and memory allows; a live budget set by hand bounds it
+    as before (100 elements here: the norms' weights)."""
+    for rank, r in enumerate(run_on_ranks(budget_from_memory, timeout=300)):
+        sized, live = r["sized"], r["live-set"]
+        assert sized["kept"] == sized["in_block"] == sized["total"] and sized["held"] >= sized["total"], (rank, r)
+        assert live["kept"] <= 100 and live["in_block"] <= 100, (rank, r)
+
+
+def test_generation_budget_from_memory_is_the_ranks_smallest():
+    """Rank 1 reports free memory for a third of the model (half of it is the budget): both ranks keep the same units,
+    within that budget."""
+    total = sum(p.numel() for p in _llama().parameters())
+    results = run_on_ranks(budget_from_memory, rank1_free=total * 4 // 3, timeout=300)
+    kept = [r["sized"]["kept"] for r in results]
+    assert kept[0] == kept[1] and 0 < kept[0] <= total // 6, kept
+    assert all(r["sized"]["tokens"] == r["live-set"]["tokens"] for r in results)  # what is kept changes no token

@@ -25,7 +25,8 @@ SHAPES = {(16, 2048): "0.94B", (32, 4096): "6.7B", (32, 1024): "0.47B"}
 
 
 def shape(args):
-    return (f"{args['model']} {args['layers']}x{args['hidden']}, {args['micro_batch']}x{args['seq']} tokens, "
+    experts = f" ({args['experts']} experts, top {args['topk']})" if args.get("model") == "moe" else ""
+    return (f"{args['model']} {args['layers']}x{args['hidden']}{experts}, {args['micro_batch']}x{args['seq']} tokens, "
             f"{args['dtype']}")
 
 
