@@ -96,7 +96,10 @@ class GPTBlock(nn.Module):
         q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
                    for z in self.qkv(self.ln1(x)).split(h, dim=-1))
         x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.mlp(self.ln2(x))
+
+    def mlp(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class GPT(nn.Module):
@@ -157,12 +160,8 @@ class MoEBlock(GPTBlock):
         self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
         self.moe = MoE(h, experts, ffn, topk)
 
-    def forward(self, x):
-        b, t, h = x.shape
-        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(h, dim=-1))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
-        return x + self.moe(self.ln2(x))
+    def mlp(self, x):
+        return self.moe(x)
 
 
 class LinearStack(nn.Module):

@@ -77,7 +77,12 @@ class Progress {
         work.wait(kSlice);
         return;
       } catch (const std::exception&) {
-        if (work.isCompleted()) throw;  // the collective failed (a closed connection): its own error
+        // Completed since the slice ran out (its "timed out" is stale), or failed (a closed connection): a
+        // wait without a timeout returns, or throws the collective's own error.
+        if (work.isCompleted()) {
+          work.wait();
+          return;
+        }
       }
     }
   }

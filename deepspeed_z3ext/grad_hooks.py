@@ -13,11 +13,16 @@ the re-entry of a reentrant-checkpoint phase, the gradient's note (skipped insid
 expected-hook count (stage 3's `count_used_parameters_in_backward`, looked up when called so its seam
 applies) and the epilogue decision. What differs: no NVTX range named `reduce_partition_and_remove_grads`
 in a profiler's timeline, and the reducer is read from the engine's state instead of through the seam.
-The leaf-module hooks (`reduce_leaf_module_grads`) stay stock's. Parameters a z3ext engine does not own
+A z3 leaf module's hook (`reduce_leaf_module_grads`: a full backward hook that gives each of its parameters
+without a gradient, an expert no token reached, zeros and reduces them all) is replaced the same way: the same
+calls in the same order, the zeros made as stock makes them, the notes without stock's two delegating calls per
+parameter (a mixture-of-experts block of 32 experts has 128 parameters). Parameters a z3ext engine does not own
 (and engines whose gradients take DeepSpeed's path) note through `reduce_independent_p_g_buckets_and_remove_grads`
 as before.
 """
 import collections
+
+import torch
 
 from deepspeed.runtime.zero import stage3
 from torch.utils.hooks import RemovableHandle
@@ -61,6 +66,36 @@ def _lean_hook(optimizer, state, param, counted, leaf_modules):
     return z3ext_reduce_partition_and_remove_grads
 
 
+def _lean_leaf_hook(optimizer, state, params, counted, leaf_modules):
+    """[Note: lean gradient hook], for a z3 leaf module's parameters."""
+
+    def z3ext_reduce_leaf_module_grads(module, grad_input, grad_output):
+        hooks = private.backward_hook_state(optimizer)
+        refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
+        hooks.reenter_backward_if_needed()
+        for param in params:  # (stock makes them also inside coalesce_grad_reduction)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if not optimizer._coalesce_grad_reduction:
+            reducer = state.grad_reducer
+            if reducer is None:
+                reducer = reducer_of(optimizer, params[0])
+            if reducer:
+                note = reducer.note
+                for param in params:
+                    note(param)
+            else:
+                for param in params:
+                    optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
+        if refresh:
+            expected = stage3.count_used_parameters_in_backward(counted) + leaf_modules
+        else:
+            expected = hooks.max_expected_hooks_seen
+        hooks.update_hook_state_and_maybe_run_epilogue(expected)
+
+    return z3ext_reduce_leaf_module_grads
+
+
 def create_hooks(stock):
     def create_reduce_and_remove_grad_hooks(self):
         stock(self)
@@ -83,5 +118,14 @@ def create_hooks(stock):
                 continue
             handles[i] = param.register_post_accumulate_grad_hook(
                 _lean_hook(self, state, param, counted, leaf_modules))
+        leaf_handles = self._leaf_module_hooks
+        if len(leaf_handles) != leaf_modules:
+            raise Z3extError(f"z3ext: stage 3 registered {len(leaf_handles)} leaf-module gradient hooks for "
+                             f"{leaf_modules} z3 leaf modules; this DeepSpeed version hooks differently "
+                             "(see deepspeed_private.TESTED_VERSIONS)")
+        for i, (module, leaf_params) in enumerate(self.leaf_parameters.items()):
+            leaf_handles[i].remove()
+            leaf_handles[i] = module.register_full_backward_hook(
+                _lean_leaf_hook(self, state, list(leaf_params), counted, leaf_modules))
 
     return create_reduce_and_remove_grad_hooks

@@ -217,6 +217,8 @@ class GradReducer:
         self._state = weakref.ref(state)
         self._freed = None  # (the buffer's data_ptr, its bytes) while freed
         self._in_pieces = {}  # ds_id -> its view of the buffer, while its partition is in a piece ([Note: partitions as they reduce])
+        self._window_pieces = {}  # ds_ids of a flush -> (piece, its views), this window's
+        self._piece_cache = {}    # the same, the window before's, their storages freed
         self._n_pieces = 0
         self._n_freed = 0
         self.norm_group = None  # (process group or None,) once norm.py checked this engine's groups
@@ -367,34 +369,45 @@ class GradReducer:
             self._drop_pieces()
 
     def _drop_pieces(self):
-        """DeepSpeed's map and its epilogue's lists point at the buffer again; the pieces are freed."""
+        """DeepSpeed's map and its epilogue's lists point at the buffer again; the pieces' storages are freed
+        (their views are kept for the next window's flush of the same parameters)."""
         in_pieces, self._in_pieces = self._in_pieces, {}
+        used, self._window_pieces = self._window_pieces, {}
         if not in_pieces:
             return
         optimizer = self._optimizer()
         partitions = private.grad_partitions(optimizer)
         back = {id(partitions[i]): view for i, view in in_pieces.items()}
-        for i, view in in_pieces.items():
-            partitions[i] = view
+        partitions.update(in_pieces)
         for grads in optimizer.averaged_gradients.values():
             if grads:
                 grads[:] = [back.get(id(g), g) for g in grads]
+        for piece, _ in used.values():
+            piece.untyped_storage().resize_(0)
+        self._piece_cache = used  # the flushes of this window (a program's flushes repeat)
 
     def _add_pieces(self, partitions, params):
-        """`params`' partitions that are not in a piece yet get one, zeroed, in one allocation."""
+        """`params`' partitions that are not in a piece yet get one, zeroed, in one allocation. A flush of the
+        same parameters in the window before re-fills that piece's storage and reuses its views (a flush of a
+        mixture-of-experts block has a thousand: making them costs more than the rest of the flush's host work)."""
         in_pieces = self._in_pieces
-        new = [p for p in params if p.ds_id not in in_pieces]
-        if not new:
+        ids = tuple([p.ds_id for p in params if p.ds_id not in in_pieces])
+        if not ids:
             return
-        flat = partitions[new[0].ds_id]
-        piece = torch.zeros(sum(p.partition_numel() for p in new), dtype=flat.dtype, device=flat.device)
+        buffer_views = [partitions[i] for i in ids]
+        cached = self._piece_cache.pop(ids, None)
+        if cached is not None:
+            piece, views = cached
+            piece.untyped_storage().resize_(piece.numel() * piece.element_size())
+            piece.zero_()
+        else:
+            sizes = [v.numel() for v in buffer_views]
+            piece = torch.zeros(sum(sizes), dtype=buffer_views[0].dtype, device=buffer_views[0].device)
+            views = piece.split(sizes)
+        self._window_pieces[ids] = (piece, views)
         self._n_pieces += 1
-        offset = 0
-        for p in new:
-            n = p.partition_numel()
-            in_pieces[p.ds_id] = partitions[p.ds_id]  # the buffer's view, for consolidate
-            partitions[p.ds_id] = piece.narrow(0, offset, n)
-            offset += n
+        in_pieces.update(zip(ids, buffer_views))
+        partitions.update(zip(ids, views))
 
     def _restore(self, params, group):
         """A flush raised: the gradients it had not written yet are the bucket again."""
