@@ -42,58 +42,33 @@ def _hooked_params(optimizer):
     return [p for group in optimizer.fp16_groups for p in group if p.requires_grad and not z3_leaf_parameter(p)]
 
 
-def _lean_hook(optimizer, state, param, counted, leaf_modules):
-    """[Note: lean gradient hook]"""
+def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missing=False):
+    """[Note: lean gradient hook]: a parameter's hook (`params` = [it]), or a z3 leaf module's (its parameters,
+    `zero_missing`: stock's zeros for those without a gradient)."""
 
-    def z3ext_reduce_partition_and_remove_grads(*_):
+    def hook(*_):
         hooks = private.backward_hook_state(optimizer)
         refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
         hooks.reenter_backward_if_needed()
+        if zero_missing:  # (stock makes them also inside coalesce_grad_reduction)
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         if not optimizer._coalesce_grad_reduction:
             reducer = state.grad_reducer
             if reducer is None:  # the first gradient of the engine decides z3ext's path or DeepSpeed's
-                reducer = reducer_of(optimizer, param)
-            if reducer:
-                reducer.note(param)
-            else:
-                optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
-        if refresh:
-            expected = stage3.count_used_parameters_in_backward(counted) + leaf_modules
-        else:
-            expected = hooks.max_expected_hooks_seen
-        hooks.update_hook_state_and_maybe_run_epilogue(expected)
-
-    return z3ext_reduce_partition_and_remove_grads
-
-
-def _lean_leaf_hook(optimizer, state, params, counted, leaf_modules):
-    """[Note: lean gradient hook], for a z3 leaf module's parameters."""
-
-    def z3ext_reduce_leaf_module_grads(module, grad_input, grad_output):
-        hooks = private.backward_hook_state(optimizer)
-        refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
-        hooks.reenter_backward_if_needed()
-        for param in params:  # (stock makes them also inside coalesce_grad_reduction)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        if not optimizer._coalesce_grad_reduction:
-            reducer = state.grad_reducer
-            if reducer is None:
                 reducer = reducer_of(optimizer, params[0])
-            if reducer:
-                note = reducer.note
-                for param in params:
-                    note(param)
-            else:
-                for param in params:
-                    optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
+            note = reducer.note if reducer else optimizer.reduce_independent_p_g_buckets_and_remove_grads
+            for param in params:
+                note(param)
         if refresh:
             expected = stage3.count_used_parameters_in_backward(counted) + leaf_modules
         else:
             expected = hooks.max_expected_hooks_seen
         hooks.update_hook_state_and_maybe_run_epilogue(expected)
 
-    return z3ext_reduce_leaf_module_grads
+    hook.__name__ = hook.__qualname__ = name
+    return hook
 
 
 def create_hooks(stock):
@@ -117,7 +92,7 @@ def create_hooks(stock):
                 handles[i] = RemovableHandle(_NO_HOOKS)
                 continue
             handles[i] = param.register_post_accumulate_grad_hook(
-                _lean_hook(self, state, param, counted, leaf_modules))
+                _lean_hook(self, state, [param], counted, leaf_modules, "z3ext_reduce_partition_and_remove_grads"))
         leaf_handles = self._leaf_module_hooks
         if len(leaf_handles) != leaf_modules:
             raise Z3extError(f"z3ext: stage 3 registered {len(leaf_handles)} leaf-module gradient hooks for "
@@ -126,6 +101,7 @@ def create_hooks(stock):
         for i, (module, leaf_params) in enumerate(self.leaf_parameters.items()):
             leaf_handles[i].remove()
             leaf_handles[i] = module.register_full_backward_hook(
-                _lean_leaf_hook(self, state, list(leaf_params), counted, leaf_modules))
+                _lean_hook(self, state, list(leaf_params), counted, leaf_modules, "z3ext_reduce_leaf_module_grads",
+                           zero_missing=True))
 
     return create_reduce_and_remove_grad_hooks
