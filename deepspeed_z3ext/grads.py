@@ -67,7 +67,8 @@ tensor of their own, zeroed, allocated on the compute stream as the flush starts
 ds_id -> partition map points at them, and its epilogue lists them), and later flushes of the window
 accumulate there. The buffer comes back whole (`consolidate`: re-allocated, zeroed, the pieces copied
 into their places in one multi-tensor copy, the map and the step's partition lists pointed back at it,
-the pieces dropped) before anything reads it: the step's start (`_pre_step`, after the epilogue has
+the pieces' storages freed; their views serve the next window's flush of the same parameters) before
+anything reads it: the step's start (`_pre_step`, after the epilogue has
 synchronised the reduce stream), a gradient accessor, `offload_states`. The values are the ones the
 buffer would hold (a fresh piece starts at zeros, as the re-allocated buffer did). Cost: one copy of
 the partitions per step, and both at once for that copy (no activations are alive then).
@@ -334,10 +335,7 @@ class GradReducer:
     def free_partitions(self):
         """The step is over ([Note: gradient partitions between steps])."""
         buffer = getattr(self._optimizer(), "grad_partitions_flat_buffer", None)
-        if not self._free_partitions or buffer is None:
-            return
-        if self._freed is not None:
-            self._drop_pieces()  # a window whose step never consolidated (none reaches here today)
+        if not self._free_partitions or self._freed is not None or buffer is None:
             return
         state = self._state()
         if state is not None and state.compiled:

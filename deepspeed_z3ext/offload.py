@@ -38,7 +38,7 @@ def optimizer_step(stock):
     return step
 
 
-def _resident_from_memory(ds_config, z3ext_config) -> bool:
+def _sizes_resident_from_memory(ds_config, z3ext_config) -> bool:
     """Whether generation sizes its resident budget from memory: no budget was set, neither z3ext's nor the
     live one ([Note: resident budget] in resident_set.py)."""
     zero = param_dict_of(ds_config).get("zero_optimization") or {}
@@ -80,7 +80,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
                                                   group_max_numel=group_max,
                                                   group_claim_max_numel=z3ext_config.fetch_group_claim_numel,
                                                   resident_numel=z3ext_config.resident_numel,
-                                                  resident_from_memory=_resident_from_memory(ds_config, z3ext_config))
+                                                  resident_from_memory=_sizes_resident_from_memory(ds_config, z3ext_config))
         self.z3ext.coordinator = self.param_coordinator
         self.param_coordinator.resident.lifted = self.z3ext_lifted  # [Note: lifted hooks] (set by hooks.register)
         log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
