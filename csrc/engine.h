@@ -418,7 +418,9 @@ class GatherEngine {
                                  std::to_string(expected) +
                                  " (quantized or offloaded-to-NVMe partitions are not supported)");
       c10d::ProcessGroup* pg = secondary ? h->secondary->group.get() : h->group.get();
-      Key key{pg, part.scalar_type(), h->tensor.device(), h->persist};
+      // The parameter's dtype, not its partition's: a partition may be the fp32 master ([Note: partition is
+      // the master] in master.py), cast into the rank's block of the gathered storage.
+      Key key{pg, h->tensor.scalar_type(), h->tensor.device(), h->persist};
       auto it = std::find(keys.begin(), keys.end(), key);
       if (it == keys.end()) {
         keys.push_back(key);
@@ -446,17 +448,19 @@ class GatherEngine {
     at::NoGradGuard no_grad;
     ParamHandle& first = *params.front().first;
     const at::Device device = first.tensor.device();
-    const at::ScalarType dtype = params.front().second.scalar_type();
+    const at::ScalarType dtype = first.tensor.scalar_type();
     const int64_t world = secondary ? first.secondary->world : first.world;
     c10d::ProcessGroup& pg = secondary ? *first.secondary->group : *first.group;
 
     auto bucket = std::make_shared<Bucket>();
     // [Note: world of one] In a group of one rank a partition is its whole (padded) parameter: the
     // parameter becomes a view of it: no buffer, no copy, no stream work, no memory beyond the partition.
-    // (Partitions on another device, NVMe offload's host buffers, are still copied.)
+    // (Partitions on another device, NVMe offload's host buffers, and fp32 masters of a bf16 or fp16
+    // parameter are still copied.)
     if (world == 1) {
       bool same_device = true;
-      for (auto& hp : params) same_device = same_device && hp.second.device() == device;
+      for (auto& hp : params)
+        same_device = same_device && hp.second.device() == device && hp.second.scalar_type() == dtype;
       if (same_device) {
         for (auto& [h, part] : params) {
           h->tensor.set_data(part.reshape({-1}).narrow(0, 0, h->numel).view(h->shape));
@@ -482,7 +486,7 @@ class GatherEngine {
         for (size_t i = 0; i < params.size(); ++i) outs[i].copy_(flat[i], /*non_blocking=*/true);
       } else {
         for (size_t i = 0; i < params.size(); ++i) {
-          if (flat[i].device() != device) {
+          if (flat[i].device() != device || flat[i].scalar_type() != dtype) {  // copied (cast) in, gathered in place
             const ParamHandle& h = *params[i].first;
             const int64_t n = secondary ? h.secondary->partition_numel : h.partition_numel;
             at::Tensor mine = outs[i].narrow(0, (secondary ? h.secondary->rank : h.rank) * n, n);
@@ -682,7 +686,8 @@ class GatherEngine {
       std::vector<const SecondaryPartition*> layouts;
       for (auto* h : need) {
         at::Tensor part = h == need.front() ? like : h->param.attr("ds_tensor").cast<at::Tensor>();
-        if (part.scalar_type() != like.scalar_type() || part.device() != like.device()) {
+        if (part.scalar_type() != like.scalar_type() || part.device() != like.device() ||
+            h->tensor.scalar_type() != need.front()->tensor.scalar_type()) {
           later.push_back(h);
           continue;
         }
@@ -692,7 +697,9 @@ class GatherEngine {
         numels.push_back(h->numel);
         layouts.push_back(&*h->secondary);
       }
-      std::vector<at::Tensor> made = copy_secondaries_out(fulls, numels, layouts, like.options());
+      // The parameter's dtype: the primary partition may be the fp32 master ([Note: partition is the master]).
+      std::vector<at::Tensor> made =
+          copy_secondaries_out(fulls, numels, layouts, like.options().dtype(need.front()->tensor.scalar_type()));
       for (size_t i = 0; i < now.size(); ++i) {
         py::object sec = py::cast(std::move(made[i]));
         sec.attr("ds_numel") = now[i]->secondary->partition_numel;

@@ -88,6 +88,12 @@ class Z3extConfig(BaseModel):
     gradient partitions between steps] in grads.py). Stock's numbers whenever every trainable parameter
     gets a gradient in each window. false: stock's partitions, kept and reused."""
 
+    partition_from_master: StrictBool = True
+    """A bf16 or fp16 parameter's partition is its fp32 master: no low-precision copy is kept between gathers
+    (2 bytes per parameter per rank less in bf16); a gather casts this rank's master slice ([Note: partition is
+    the master] in master.py). Same values as stock's; a GatheredParameters write-back lands in the master.
+    Not with optimizer or parameter offload. false: stock's low-precision partitions."""
+
     conditional_modules: List[StrictStr] = Field(default_factory=list)
     """Submodules that some ranks or steps skip (module names, or class names), each gathered with its parent and
     its gradients reduced at the end of every backward, zeros where it did not run ([Note: conditional modules]

@@ -706,16 +706,6 @@ def zero_stock_partitions(optimizer):
                  "gradient in a window steps there on its previous window's gradient, as in stock ZeRO-3", ranks=[0])
 
 
-def offload_states(stock):
-    def offload_states_(self, *args, **kwargs):
-        reducer = reducer_of(self)
-        if reducer is not None:
-            reducer.consolidate()  # DeepSpeed copies the buffer out
-        return stock(self, *args, **kwargs)
-
-    return offload_states_
-
-
 def partitions_first(stock):
     """A gradient accessor (`safe_get_full_grad`, `safe_set_local_grad`, ...) between steps reads or writes
     zeroed partitions, not freed storage ([Note: gradient partitions between steps])."""

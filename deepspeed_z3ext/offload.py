@@ -6,7 +6,7 @@ checkpoints; the coordinator behind the hooks and the per-parameter entry points
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.utils import log_dist
 
-from deepspeed_z3ext import conditional, hooks, swap
+from deepspeed_z3ext import conditional, hooks, master, swap
 from deepspeed_z3ext.config import param_dict_of, parse_section
 from deepspeed_z3ext.coordinator import Z3extCoordinator
 from deepspeed_z3ext.state import Z3extState, of_optimizer
@@ -101,5 +101,6 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
             fallback.close()
         super().destroy()
         if getattr(self, "z3ext", None) is not None:
+            master.give_back([p for p in self.z3ext.params if self.z3ext.owns(p)])  # [Note: partition is the master]
             self.z3ext.destroy()
             self.z3ext = None

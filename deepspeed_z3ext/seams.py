@@ -78,8 +78,8 @@ def _table():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 
-    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, linear, norm,
-                                 offload, swap)
+    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, linear, master,
+                                 norm, offload, swap)
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -126,8 +126,13 @@ def _table():
              "with z3ext.free_grad_partitions, the gradient partitions are freed until the next flush (zeroed where DeepSpeed reduces)"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_overflow_clean_up", grads.overflow_clean_up,
              "a step skipped for an fp16 overflow frees (or zeroes) the gradient partitions as a step does"),
-        Seam(DeepSpeedZeroOptimizer_Stage3, "offload_states", grads.offload_states,
-             "freed gradient partitions are re-allocated before DeepSpeed copies them out"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", master.create_fp32_partitions,
+             "a bf16/fp16 parameter's partition becomes its fp32 master ([Note: partition is the master])"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "offload_states", master.offload_states,
+             "freed gradient partitions are re-allocated before DeepSpeed copies them out; lp_params that are "
+             "the masters move as the masters ([Note: partition is the master])"),
+        Seam(DeepSpeedZeroOptimizer_Stage3, "reload_states", master.reload_states,
+             "masters moved as lp_params come back; the partitions' views follow ([Note: partition is the master])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_fp32_grad_state_partition", grads.partitions_first,
              "freed gradient partitions are re-allocated (zeros) before a gradient accessor reads or writes them"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "set_fp32_grad_for_param", grads.partitions_first,

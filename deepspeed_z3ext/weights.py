@@ -155,7 +155,8 @@ def _entry(name, p) -> _Entry:
                            f"full_weights does not read; use GatheredParameters")
     group = group_of(p)
     world = dist.get_world_size(group)
-    return _Entry(name, p, group, part.dtype, part.ds_numel, world * part.ds_numel * part.element_size())
+    # The parameter's dtype: its partition may be the fp32 master ([Note: partition is the master] in master.py).
+    return _Entry(name, p, group, p.dtype, part.ds_numel, world * part.ds_numel * p.element_size())
 
 
 def _stream(buckets) -> Iterator[List[FullWeight]]:
