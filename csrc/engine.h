@@ -485,14 +485,29 @@ class GatherEngine {
         // Partitions on another device (above: same-device ones are viewed).
         for (size_t i = 0; i < params.size(); ++i) outs[i].copy_(flat[i], /*non_blocking=*/true);
       } else {
+        // Partitions on another device or of another dtype (the fp32 master of a bf16 parameter, [Note:
+        // partition is the master] in master.py) are copied (cast) into the rank's block and gathered in place;
+        // the casts of one bucket in one multi-tensor copy (one kernel on CUDA for a dtype pair).
+        std::vector<at::Tensor> cast_dst, cast_src;
         for (size_t i = 0; i < params.size(); ++i) {
-          if (flat[i].device() != device || flat[i].scalar_type() != dtype) {  // copied (cast) in, gathered in place
+          const bool moved = flat[i].device() != device;
+          if (moved || flat[i].scalar_type() != dtype) {
             const ParamHandle& h = *params[i].first;
             const int64_t n = secondary ? h.secondary->partition_numel : h.partition_numel;
             at::Tensor mine = outs[i].narrow(0, (secondary ? h.secondary->rank : h.rank) * n, n);
-            mine.copy_(flat[i], /*non_blocking=*/true);
+            if (moved) {
+              mine.copy_(flat[i], /*non_blocking=*/true);
+            } else {
+              cast_dst.push_back(mine);
+              cast_src.push_back(flat[i]);
+            }
             flat[i] = mine;
           }
+        }
+        if (cast_dst.size() == 1) {
+          cast_dst[0].copy_(cast_src[0]);
+        } else if (!cast_dst.empty()) {
+          at::_foreach_copy_(cast_dst, cast_src);
         }
         int64_t issued = 1;
         int64_t numel = 0;
