@@ -194,7 +194,7 @@ fi
 if [[ $what == memory ]]; then
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
-  timeout -k 5 400 python3 bench/memory_peak.py --sim-world 8 $big --systems fsdp2,z3ext,z3ext-nohold --warmup 2 \
+  timeout -k 5 400 python3 bench/memory_peak.py --sim-world 8 $big --systems ${MEM_SYSTEMS:-fsdp2,z3ext,z3ext-lpkept} --warmup 2 \
     2>&1 | tee "$LOG/memory-peak.log" | grep -v Warning | tail -60
 fi
 if [[ $what == simworld ]]; then

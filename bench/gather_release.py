@@ -253,11 +253,12 @@ def build_system(name, a, device):
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
     # (z3ext.free_grad_partitions true, the default), keepgrads (false: stock's partitions kept between steps,
     # the default before conditional.py's change), nogroups (z3ext.fetch_group_numel
-    # 0: one fetch unit per module, [Note: fetch groups])
+    # 0: one fetch unit per module, [Note: fetch groups]), lpkept (z3ext.partition_from_master false: stock's bf16
+    # partitions beside the masters)
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "keepgrads", "nogroups",
-                                                "memberclaims", "blockclaims", "hpz", "divide", "nowatch")]
+                                                "memberclaims", "blockclaims", "hpz", "divide", "nowatch", "lpkept")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     if "hpz" in variants and (a.hpz < 2 or base not in ("stock", "z3ext")):
@@ -277,6 +278,8 @@ def build_system(name, a, device):
             options["free_grad_partitions"] = False
         if "nowatch" in variants:
             options["hang_timeout"] = 0
+        if "lpkept" in variants:
+            options["partition_from_master"] = False
         if "divide" in variants:
             options["divide_after_reduce"] = False
         if "nogroups" in variants:

@@ -52,7 +52,7 @@ def _child(a):
     import gather_release as gr
     torch.set_num_threads(1)
     ga = gr.parse(["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq),
-                   "--micro-batch", "1", "--sim-world", str(a.sim_world), "--dtype", "fp32",
+                   "--micro-batch", "1", "--sim-world", str(a.sim_world), "--dtype", a.dtype,
                    "--experts", str(a.experts)])
     device = torch.device("cpu")
     deepspeed.init_distributed()
@@ -95,7 +95,7 @@ def _count(a, system, phase, shim, work) -> float:
            f"--callgrind-out-file={work}/{system}-{phase}.%p", sys.executable, __file__, "--child", system,
            "--phase", phase, "--shim", str(shim), "--iters", str(a.iters), "--layers", str(a.layers),
            "--hidden", str(a.hidden), "--seq", str(a.seq), "--sim-world", str(a.sim_world), "--model", a.model,
-           "--experts", str(a.experts)]
+           "--experts", str(a.experts), "--dtype", a.dtype]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     text = log.read_text()
@@ -115,6 +115,7 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seq", type=int, default=8, help="tokens of the training batch (one sequence)")
     p.add_argument("--sim-world", type=int, default=8)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--iters", type=int, default=3, help="measured calls per (system, phase)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -133,7 +134,7 @@ def main():
     counts = {(s, ph): _count(a, s, ph, shim, work) for s in systems for ph in phases}
     experts = f" with {a.experts} expert modules per block" if a.model == "moe" else ""
     print(f"# host instructions (callgrind, M per call, 1 thread): GPT {a.layers}x{a.hidden}{experts}, {a.seq} tokens, "
-          f"fp32, CPU; simulated world {a.sim_world}: no communication time, values wrong")
+          f"{a.dtype}, CPU; simulated world {a.sim_world}: no communication time, values wrong")
     print("      system" + "".join(f"{ph:>10}" for ph in phases))
     for s in systems:
         print(f"{s:>12}" + "".join(f"{counts[(s, ph)] / 1e6:10.2f}" for ph in phases))

@@ -45,6 +45,7 @@ _LIVE = weakref.WeakSet()
 def _teardown_at_exit():
     for state in list(_LIVE):
         state.destroy()
+    watchdog.stop_thread()  # no store call of its thread may be running while Python finalizes
 
 
 def live_states() -> list:

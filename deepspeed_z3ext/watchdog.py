@@ -177,24 +177,40 @@ class _Runner:
         self._dogs: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
 
     def add(self, dog):
         with self._lock:
             self._dogs.add(dog)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="z3ext-watchdog", daemon=True)
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="z3ext-watchdog",
+                                                daemon=True)
                 self._thread.start()
 
     def discard(self, dog):
         with self._lock:
             self._dogs.discard(dog)
 
-    def _run(self):
+    def stop(self, timeout: float = 5.0):
+        """At interpreter exit, after the engines' teardown: the thread ends and is joined. A daemon thread still
+        in a store call when Python finalizes is unwound by `pthread_exit` through C++ frames, which aborts the
+        process (SIGABRT after a finished run, seen once under `accelerate launch`)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self, stop):
         warned: List[str] = []
-        while True:
+        while not stop.is_set():
             with self._lock:
+                period = min((d.period for d in self._dogs), default=1.0)
+            if stop.wait(period):
+                return
+            with self._lock:  # the engines live now: one closed during the wait is not polled
                 dogs = list(self._dogs)
-            time.sleep(min((d.period for d in dogs), default=1.0))
             for d in dogs:
                 try:
                     d.poll()
@@ -206,3 +222,8 @@ class _Runner:
 
 
 _RUNNER = _Runner()
+
+
+def stop_thread():
+    """Ends the process's watchdog thread (at interpreter exit, [Note: hang watchdog])."""
+    _RUNNER.stop()
