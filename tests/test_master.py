@@ -11,7 +11,7 @@ real gloo ranks against stock ZeRO-3 on the same seed:
 - `destroy` gives every parameter a partition of its own dtype back."""
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import on_gpu, run_on_ranks
 
 STEPS, GA = 3, 2
 
@@ -33,7 +33,7 @@ def _engine(dtype, z3ext, zero_extra=None, hidden=42, model=None, hpz_group=Fals
 
 def _masters(engine):
     from deepspeed.utils import safe_get_full_fp32_param
-    return {n: safe_get_full_fp32_param(p).numpy().copy() for n, p in engine.module.named_parameters()}
+    return {n: safe_get_full_fp32_param(p).cpu().numpy().copy() for n, p in engine.module.named_parameters()}
 
 
 def _aliased(engine):
@@ -57,8 +57,8 @@ def same_as_stock(dtype, hpz=False):
     for name, z3ext in (("stock", False), ("z3ext", True)):
         engine = _engine(dtype, z3ext, zero_extra, hpz_group=hpz)
         aliased = _aliased(engine)
-        losses = train(engine, STEPS, lambda i: batch(i, rank), ga=GA)
-        params = {n: p.float().numpy() for n, p in full_params(engine).items()}
+        losses = train(engine, STEPS, lambda i: batch(i, rank).cuda() if on_gpu() else batch(i, rank), ga=GA)
+        params = {n: p.float().cpu().numpy() for n, p in full_params(engine).items()}
         out[name] = dict(losses=losses, params=params, masters=_masters(engine), aliased=aliased,
                          dtypes={str(p.dtype) for p in engine.module.parameters()})
         engine.destroy()
@@ -79,6 +79,17 @@ def test_partition_is_the_master_bitwise_equal_to_stock(dtype, world):
         assert stock_views == 0 and stock_lp > 0, r["aliased"]  # stock: its own bf16 partitions
         assert views == n == n_z3 and lp == 0, r["aliased"]
         assert r["dtypes"] == {"torch.bfloat16" if dtype.startswith("bf16") else "torch.float16"}, r["dtypes"]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_partition_is_the_master_on_gpu(dtype):
+    """The CUDA cast of a bucket's master slices (one multi-tensor copy) and NCCL: stock's bits."""
+    results = run_on_ranks(same_as_stock, world_size=2, backend="nccl", timeout=420, dtype=dtype)
+    for rank, r in enumerate(results):
+        assert r["losses"][0] == r["losses"][1], (rank, r["losses"])
+        assert not r["params"] and not r["masters"], (rank, r["params"], r["masters"])
+        assert r["aliased"][1][0] == r["aliased"][1][1] and r["aliased"][1][2] == 0, r["aliased"]
 
 
 def held_after_initialize(width=1024, layers=8):
