@@ -248,17 +248,20 @@ def build_system(name, a, device):
     host = hostmem.HostMemory() if device.type == "cpu" else None
     if host and host.error:
         host = None
+    # An earlier system of this process freed in a collection during this build would count against this one's
+    # resident bytes (measured: a z3ext after FSDP2 showed 3.2 GB too little at 6.7B, simulated world 8).
+    gc.collect()
     mem0 = torch.cuda.memory_allocated() if device.type == "cuda" else host.in_use() if host else 0
     # name = base[@bucket][-variant...]; variants: mel (any system), nohold, nopool, dsgrads (z3ext:
     # gradients reduced by DeepSpeed's stage-3 path, z3ext.reduce_gradients false) and freegrads
     # (z3ext.free_grad_partitions true, the default), keepgrads (false: stock's partitions kept between steps,
     # the default before conditional.py's change), nogroups (z3ext.fetch_group_numel
     # 0: one fetch unit per module, [Note: fetch groups]), lpkept (z3ext.partition_from_master false: stock's bf16
-    # partitions beside the masters)
+    # partitions beside the masters), layerrb (reduce_bucket_size: one GPT block's elements)
     # "<system>#K": a second copy of <system>, built and timed later in each round: the position's bias
     base, *variants = name.split("#")[0].split("-")
     unknown = [v for v in variants if v not in ("mel", "nohold", "nopool", "dsgrads", "freegrads", "keepgrads", "nogroups",
-                                                "memberclaims", "blockclaims", "hpz", "divide", "nowatch", "lpkept")]
+                                                "memberclaims", "blockclaims", "hpz", "divide", "nowatch", "lpkept", "layerrb")]
     if unknown or (base.split("@")[0] not in ("stock", "z3ext", "unsharded", "fsdp2")):
         raise ValueError(f"unknown system {name!r}")
     if "hpz" in variants and (a.hpz < 2 or base not in ("stock", "z3ext")):
@@ -287,6 +290,8 @@ def build_system(name, a, device):
         if "memberclaims" in variants or "blockclaims" in variants:
             options["fetch_group_claim_numel"] = 0 if "memberclaims" in variants else 10**12
         cfg = ds_config(a, base.startswith("z3ext"), options, prefetch_bucket=bucket, mel=mel, hpz="hpz" in variants)
+        if "layerrb" in variants:  # gradients reduced a transformer block at a time (DeepSpeed's default: 5e8 elements)
+            cfg["zero_optimization"]["reduce_bucket_size"] = 12 * a.hidden ** 2 + 13 * a.hidden
         from deepspeed.utils import groups
         # DeepSpeed makes the hpZ intra-node group once per process: later hpZ engines reuse it.
         hpz_group = groups._get_zero_param_intra_parallel_group() if "hpz" in variants else None

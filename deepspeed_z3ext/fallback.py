@@ -64,7 +64,7 @@ import torch
 
 from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 
-from deepspeed_z3ext import claims
+from deepspeed_z3ext import claims, master
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.state import STATE_ATTR, of_engine, offload_of
 
@@ -383,4 +383,5 @@ def new_fallback(engine) -> Optional[Z3extEagerFallback]:
     fb = Z3extEagerFallback(engine, state, enabled=state.config.compile_fallback)
     offload_of(engine).z3ext_fallback = fb  # closed by Z3extZeRoOffload.destroy
     state.compiled = True  # module hooks are gone: the getter is DeepSpeed's ([Note: external discovery])
+    master.unalias(engine.optimizer)  # before DeepCompile registers the partitions ([Note: partition is the master])
     return fb

@@ -21,7 +21,8 @@ forward, not only after a step. A module-only universal checkpoint load keeps th
 
 Not aliased (stock's two partitions kept), per sub-group: optimizer or parameter offload (the master is
 on the host or NVMe, the partition on the device), a sub-group already one dtype (fp32), or a sub-group
-with parameters of another engine. `offload_states` of `lp_params` moves the masters (they are the
+with parameters of another engine; and no more once DeepCompile takes the engine over (its own gathers read
+`ds_tensor` as the parameter's dtype: `unalias` casts the masters into low-precision flats again). `offload_states` of `lp_params` moves the masters (they are the
 low-precision partitions) and `reload_states` brings them back; the parameters' views follow
 (`repoint`). At `destroy` each parameter gets a partition of its own dtype back, so a later stock engine
 of the same model finds what stock made.
@@ -71,6 +72,18 @@ def alias(optimizer, state) -> List[int]:
             if buffer is not None:
                 optimizer.lp_param_buffer = buffer.new_empty(0)
     return done
+
+
+@torch.no_grad()
+def unalias(optimizer):
+    """Stock's low-precision partitions again (DeepCompile's own gathers read `ds_tensor` as the parameter's
+    dtype): each aliased sub-group gets a flat of its own, the master cast, its parameters' views on it."""
+    for i in aliased(optimizer):
+        hp = optimizer.fp32_partitioned_groups_flat[i]
+        optimizer.fp16_partitioned_groups_flat[i] = hp.to(optimizer.fp16_groups[i][0].dtype)
+        optimizer._unflatten_partitioned_parameters(i)
+    if aliased(optimizer):
+        delattr(optimizer, SWITCH)
 
 
 def aliased(optimizer) -> List[int]:

@@ -8,6 +8,7 @@ real gloo ranks against stock ZeRO-3 on the same seed:
 - a weight written in a GatheredParameters block with `modifier_rank` after initialization trains from the
   written value, as the unsharded model would (stock's next step puts its old master back);
 - `offload_states` of `lp_params` and `reload_states` in the middle of training: stock's numbers after;
+- a checkpoint saved after a step and loaded into a fresh engine: the saved masters, stock's numbers after;
 - `destroy` gives every parameter a partition of its own dtype back."""
 import pytest
 
@@ -194,3 +195,62 @@ def test_offload_states_of_lp_params_and_destroy():
         assert r["offloaded"][0] == r["offloaded"][1] == ["OffloadStateTypeEnum.lp_params"], r["offloaded"]
         assert r["after"] == ["torch.float32"], r["after"]  # the partitions view the masters again
         assert r["given_back"] == ["torch.bfloat16"], r["given_back"]
+
+
+def checkpoint_round_trip(tmp):
+    """bf16: 1 step, save, a fresh engine loads every state, 2 more steps; stock and z3ext."""
+    import numpy as np
+    import torch.distributed as dist
+    from tests.models import batch, full_params
+    from tests.training import train
+    rank = dist.get_rank()
+    out = {}
+    for name, z3ext in (("stock", False), ("z3ext", True)):
+        folder = f"{tmp}/{name}"
+        engine = _engine("bf16", z3ext)
+        losses = train(engine, 1, lambda i: batch(i, rank), ga=GA)
+        engine.save_checkpoint(folder, tag="t")
+        saved = _masters(engine)
+        engine.destroy()
+        engine = _engine("bf16", z3ext)  # the same seed: the same initial values as the first
+        engine.load_checkpoint(folder, tag="t")
+        loaded = _masters(engine)
+        losses += train(engine, 2, lambda i: batch(i, rank), ga=GA, first_step=1)
+        out[name] = dict(losses=losses, saved=saved, loaded=loaded, masters=_masters(engine),
+                         params={n: p.float().numpy() for n, p in full_params(engine).items()})
+        engine.destroy()
+    s, z = out["stock"], out["z3ext"]
+    differ = lambda a, b: [n for n in a if not np.array_equal(a[n], b[n])]  # noqa: E731
+    return dict(losses=(s["losses"], z["losses"]), params=differ(s["params"], z["params"]),
+                masters=differ(s["masters"], z["masters"]), z3ext_reloaded=differ(z["saved"], z["loaded"]),
+                stock_reloaded=differ(s["saved"], s["loaded"]))
+
+
+def test_checkpoint_round_trip_bitwise_equal_to_stock(tmp_path):
+    for rank, r in enumerate(run_on_ranks(checkpoint_round_trip, world_size=2, timeout=300, tmp=str(tmp_path))):
+        assert r["losses"][0] == r["losses"][1] and not r["params"] and not r["masters"], (rank, r)
+        assert not r["z3ext_reloaded"] and not r["stock_reloaded"], r
+
+
+
+def deepcompiled():
+    import torch
+    from tests.test_compile import _as_if_deepcompiled
+    engine = _engine("bf16", True)
+    before = _aliased(engine)
+    _as_if_deepcompiled(engine)  # DeepCompile's init_z3 builds its fallback before it registers the partitions
+    opt = engine.optimizer
+    after = _aliased(engine)
+    dtypes = sorted({str(p.ds_tensor.dtype) for p in engine.module.parameters()})
+    cast = all(torch.equal(lp, hp.to(torch.bfloat16))
+               for lp, hp in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat))
+    engine.destroy()
+    return before, after, dtypes, cast
+
+
+def test_deepcompile_gets_low_precision_partitions_again():
+    """DeepCompile's own gathers read `ds_tensor` as the parameter's dtype: taking the engine over casts the
+    masters into low-precision flats again (on CPU: the engine put in the state `engine.compile()` leaves)."""
+    for rank, (before, after, dtypes, cast) in enumerate(run_on_ranks(deepcompiled, world_size=2, timeout=300)):
+        assert before[0] == before[1] > 0 and after[0] == 0, (rank, before, after)
+        assert dtypes == ["torch.bfloat16"] and cast, (rank, dtypes, cast)
