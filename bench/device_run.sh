@@ -194,9 +194,9 @@ fi
 if [[ $what == memory ]]; then
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
-  # MEM_SYSTEMS: z3ext-lpkept keeps stock's bf16 partitions (before partition_from_master); z3ext-layerrb reduces
+  # MEM_SYSTEMS (three fit one call): z3ext-lpkept keeps stock's bf16 partitions (before partition_from_master); z3ext-layerrb reduces
   # gradients a block at a time (reduce_bucket_size one block, not DeepSpeed's 5e8)
-  timeout -k 5 560 python3 bench/memory_peak.py --sim-world 8 $big --systems ${MEM_SYSTEMS:-fsdp2,z3ext,z3ext-lpkept,z3ext-layerrb} --warmup 2 \
+  timeout -k 5 420 python3 bench/memory_peak.py --sim-world 8 $big --systems ${MEM_SYSTEMS:-fsdp2,z3ext,z3ext-layerrb} --warmup 2 \
     2>&1 | tee "$LOG/memory-peak.log" | grep -v Warning | tail -60
 fi
 if [[ $what == simworld ]]; then
