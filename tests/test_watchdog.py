@@ -186,3 +186,23 @@ def test_the_verdict_names_the_first_difference_the_late_rank_and_the_silent_one
     reports = {r: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="") for r in range(2)}
     cls, msg = verdict(reports, 2, 3.0, names)
     assert cls is None and "slow, not diverged" in msg, msg
+
+
+def exit_teardown():
+    """What the interpreter's exit runs (the engines' teardown, `state._teardown_at_exit`): afterwards no
+    watchdog thread is alive and no engine is polled."""
+    import threading
+    from deepspeed_z3ext import state, watchdog
+    engine = _engine()  # noqa: F841 (kept alive until the teardown)
+    alive_before = [t.name for t in threading.enumerate() if t.name == "z3ext-watchdog"]
+    state._teardown_at_exit()
+    alive_after = [t.name for t in threading.enumerate() if t.name == "z3ext-watchdog"]
+    return alive_before, alive_after, len(watchdog._RUNNER._dogs)
+
+
+def test_the_watchdog_thread_ends_at_exit():
+    """A daemon thread still in a store call while Python finalizes is unwound through C++ frames, which
+    aborts the process (a finished `accelerate launch` run ended in SIGABRT once): the exit's teardown stops
+    and joins it after the engines' teardown."""
+    for rank, (before, after, dogs) in enumerate(run_on_ranks(exit_teardown, world_size=2, timeout=120)):
+        assert before == ["z3ext-watchdog"] and after == [] and dogs == 0, (rank, before, after, dogs)
