@@ -22,10 +22,10 @@ forward, not only after a step. A module-only universal checkpoint load keeps th
 Not aliased (stock's two partitions kept), per sub-group: optimizer or parameter offload (the master is
 on the host or NVMe, the partition on the device), a sub-group already one dtype (fp32), or a sub-group
 with parameters of another engine; and no more once DeepCompile takes the engine over (its own gathers read
-`ds_tensor` as the parameter's dtype: `unalias` casts the masters into low-precision flats again). `offload_states` of `lp_params` moves the masters (they are the
-low-precision partitions) and `reload_states` brings them back; the parameters' views follow
-(`repoint`). At `destroy` each parameter gets a partition of its own dtype back, so a later stock engine
-of the same model finds what stock made.
+`ds_tensor` as the parameter's dtype: `unalias` casts the masters into low-precision flats again).
+`offload_states` of `lp_params` moves the masters (they are the low-precision partitions) and
+`reload_states` brings them back; the parameters' views follow (`repoint`). At `destroy` each parameter
+gets a partition of its own dtype back, so a later stock engine of the same model finds what stock made.
 """
 from typing import List, Optional
 
@@ -50,19 +50,24 @@ def reason_not(optimizer, state) -> Optional[str]:
     return None
 
 
-def alias(optimizer, state) -> List[int]:
+def _view_master(optimizer, i):
+    """Sub-group i's low-precision flat is its master, each parameter's `ds_tensor.data` its view of it."""
+    optimizer.fp16_partitioned_groups_flat[i] = optimizer.fp32_partitioned_groups_flat[i]
+    optimizer._unflatten_partitioned_parameters(i)
+
+
+def alias(optimizer, state):
     """After `_create_fp32_partitions`: each eligible sub-group's low-precision flat becomes its master
-    ([Note: partition is the master]). Returns the sub-groups aliased."""
+    ([Note: partition is the master])."""
     if reason_not(optimizer, state) is not None:
-        return []
+        return
     done = []
     for i, (lp, hp) in enumerate(zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat)):
         if lp is None or lp is hp or lp.dtype == hp.dtype or lp.device != hp.device:
             continue
         if any(not state.owns(p) for p in optimizer.fp16_groups[i]):
             continue
-        optimizer.fp16_partitioned_groups_flat[i] = hp
-        optimizer._unflatten_partitioned_parameters(i)  # each ds_tensor.data: its view of the master
+        _view_master(optimizer, i)
         done.append(i)
     if done:
         setattr(optimizer, SWITCH, done)
@@ -71,7 +76,6 @@ def alias(optimizer, state) -> List[int]:
             buffer = getattr(optimizer, "lp_param_buffer", None)
             if buffer is not None:
                 optimizer.lp_param_buffer = buffer.new_empty(0)
-    return done
 
 
 @torch.no_grad()
@@ -93,8 +97,7 @@ def aliased(optimizer) -> List[int]:
 def repoint(optimizer):
     """The parameters' `ds_tensor` views follow their masters' storage (moved by offload/reload_states)."""
     for i in aliased(optimizer):
-        optimizer.fp16_partitioned_groups_flat[i] = optimizer.fp32_partitioned_groups_flat[i]
-        optimizer._unflatten_partitioned_parameters(i)
+        _view_master(optimizer, i)
 
 
 @torch.no_grad()
