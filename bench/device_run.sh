@@ -35,6 +35,7 @@
 #                                    # ([Note: ranks on one GPU] in tests/harness.py); ONE_GPU_TESTS: pytest arguments
 #                                    # (ONE_GPU_TESTS_<N>: for the N-rank run only)
 #   bash bench/device_run.sh generate         # HF generate at simulated worlds 8 and 64 (bench/generate.py; GEN_RUNS)
+#   bash bench/device_run.sh generate-procs   # the same, each system in its own process, alternated, pooled (GEN_REPS)
 #   bash bench/device_run.sh all
 # Logs go to $OUT (the device's returned folder) or /tmp/z3ext-device; results to bench/results.
 set -uo pipefail
@@ -47,7 +48,7 @@ fi
 LOG=${OUT:-/tmp/z3ext-device}; mkdir -p "$LOG"
 what=${1:-all}
 nvidia-smi -L
-if [[ $what == simworld* || $what == generate || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
+if [[ $what == simworld* || $what == generate* || $what == memory || $what == faults || $what == profile || $what == steps || $what == tiny ]]; then  # the simulated world's backend builds while the ops do
   python3 -c "import sys; sys.path.insert(0, 'bench'); import simworld; simworld.load(); print('simworld backend built')" \
     >"$LOG/simworld-build.log" 2>&1 &
   simworld_build=$!
@@ -87,6 +88,25 @@ if [[ $what == generate ]]; then
   done
   cp bench/out/generate-0.94B-w8.png "$LOG/" 2>/dev/null
 fi
+if [[ $what == generate-procs ]]; then
+  # Each system in a process of its own, processes alternated, GEN_REPS repetitions (default 3) of every
+  # GEN_SYSTEMS (default "unsharded z3ext") for each GEN_RUNS "shape world" (default "0.94B 8;0.94B 64"); every
+  # round of every process pooled ([Note: a full-length warm-up] in bench/generate.py): $LOG/generate-procs.md
+  wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
+  mkdir -p bench/out; rm -f bench/out/genp-*.json
+  IFS=';' read -ra runs <<< "${GEN_RUNS:-0.94B 8;0.94B 64}"
+  for run in "${runs[@]}"; do
+    set -- $run
+    args="--new-tokens ${GEN_TOKENS:-64} --rounds ${GEN_ROUNDS:-3}"; [[ $1 == 6.7B ]] && args+=" --layers 32 --hidden 4096"
+    for ((k = 0; k < ${GEN_REPS:-3}; k++)); do
+      for sys in ${GEN_SYSTEMS:-unsharded z3ext}; do
+        timeout -k 5 "${GEN_LIMIT:-120}" python3 bench/generate.py --sim-world "$2" $args --systems "$sys" \
+          --out "bench/out/genp-$1-w$2-$sys-r$k.json" >>"$LOG/generate-procs.log" 2>&1 || echo "# $1 w$2 $sys r$k: rc $?"
+      done
+    done
+    python3 bench/generate.py --pool bench/out/genp-$1-w$2-*.json | tee -a "$LOG/generate-procs.md"
+  done
+fi
 if [[ $what == hf || $what == all ]]; then
   python3 bench/hf_recipe.py 2>&1 | tee "$LOG/hf-recipe.log" | tail -20
 fi
@@ -94,7 +114,7 @@ if [[ $what == faults ]]; then
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
   python3 -m pytest -q -rP -m gpu tests/test_faults.py tests/test_gradients.py 2>&1 | tee "$LOG/gpu-faults.log" | tail -30
 fi
-if [[ $what == grads || $what == grads-tests || $what == memory ]]; then
+if [[ $what == grads || $what == grads-tests || ($what == memory && ${MEM_TESTS:-1} == 1) ]]; then  # MEM_TESTS=0: memory alone
   python3 -m pytest -q -m gpu tests/test_gradients.py 2>&1 | tee "$LOG/gpu-gradients.log" | tail -12
 fi
 if [[ $what == grads || $what == grads-bench ]]; then
@@ -196,7 +216,7 @@ if [[ $what == memory ]]; then
   big=${SIM_BIG:-"--layers 32 --hidden 4096 --heads 32 --seq 2048 --micro-batch 1"}
   # MEM_SYSTEMS (three fit one call): z3ext-lpkept keeps stock's bf16 partitions (before partition_from_master); z3ext-layerrb reduces
   # gradients a block at a time (reduce_bucket_size one block, not DeepSpeed's 5e8)
-  timeout -k 5 420 python3 bench/memory_peak.py --sim-world 8 $big --systems ${MEM_SYSTEMS:-fsdp2,z3ext,z3ext-layerrb} --warmup 2 \
+  timeout -k 5 "${MEM_LIMIT:-420}" python3 bench/memory_peak.py --sim-world 8 $big --systems ${MEM_SYSTEMS:-fsdp2,z3ext,z3ext-layerrb} --warmup 2 \
     2>&1 | tee "$LOG/memory-peak.log" | grep -v Warning | tail -60
 fi
 if [[ $what == simworld ]]; then

@@ -59,8 +59,12 @@ def parse(argv=None):
     p.add_argument("--prefetch-bucket", type=int, default=50_000_000)
     p.add_argument("--max-live", type=int, default=None,
                    help="stage3_max_live_parameters (default: not set, as DeepSpeed's default config)")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens of each system's warm-up call (default: --new-tokens, [Note: a full-length warm-up])")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU host time)")
     p.add_argument("--out", default=None)
+    p.add_argument("--pool", nargs="+", metavar="JSON", default=None,
+                   help="no run: pool these results (one system per process, alternated) into one table")
     a = p.parse_args(argv)
     if a.smoke:
         a.layers, a.hidden, a.vocab, a.batch, a.prompt, a.new_tokens, a.rounds = 4, 64, 256, 2, 8, 8, 2
@@ -205,6 +209,8 @@ def count_text(n):
 
 def main(argv=None):
     a = parse(argv)
+    if a.pool:
+        return print(pool(a.pool))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -224,8 +230,8 @@ def main(argv=None):
     systems = [build(n, a, device, n_params) for n in names]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, a.vocab, (a.batch, a.prompt), generator=g).to(device)
-    for s in systems:  # warm-up: plans recorded, kernels chosen
-        run_generate(s, ids, 2)
+    for s in systems:  # warm-up: plans recorded, kernels chosen, the allocator grown ([Note: a full-length warm-up])
+        run_generate(s, ids, a.warmup_tokens or a.new_tokens)
     host = hostmem.HostMemory() if device.type == "cpu" else None
     memory = "cuda" if device.type == "cuda" else "cpu" if host.error is None else f"n/a: {host.error}"
     host = host if memory == "cpu" else None
@@ -282,6 +288,54 @@ def main(argv=None):
     if png:
         print(f"# plot:    {outname.shown(png)}")
     return res
+
+
+def pool(paths):
+    """One table from runs that each measured one system in a process of its own, processes alternated.
+
+    [Note: a full-length warm-up] A copy of a model whose first measured call generates more tokens than its
+    warm-up did ran up to 3.5x slower per token than its later calls (unsharded Llama 16x2048 on the H200,
+    75.6 then 21.1 and 23.6 ms): the first long call grows the CUDA allocator's pool (the KV caches of every
+    length) and pays its device allocations and frees inside the timed call. The warm-up now generates as many
+    tokens as the timed calls. Systems in one process also differ in what the process has: once
+    `deepspeed.zero.Init` has run, DeepSpeed's memory-efficient linear replaces `F.linear` for the whole process
+    ("this will persist unless manually reset"), so an unsharded model beside a ZeRO-3 one runs every linear
+    through an autograd Function. Each system in its own process compares a system with the model as its user
+    would run it alone. Every round of every process counts: the median over all of them, their range, and the
+    ratio per repetition (its two processes ran one after the other)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    groups = {}
+    for r in runs:
+        key = (r["args"]["layers"], r["args"]["hidden"], r["simulated_world"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (layers, hidden, world), rs in groups.items():
+        a = rs[0]
+        out.append(f"### Llama {layers}x{hidden}, batch {a['args']['batch']}, prompt {a['args']['prompt']}, "
+                   f"{a['args']['new_tokens']} new tokens, {world}, {a['device']}, commit {a['commit']}")
+        out.append(f"({len(rs)} processes, one system each, alternated; {a['args']['rounds']} rounds each; "
+                   "ms per new token)\n")
+        per = {}
+        for r in rs:
+            for n, s in r["systems"].items():
+                per.setdefault(n.split("#")[0], []).append(s)
+        ref = per.get("unsharded")
+        ref_ms = statistics.median([x for s in ref for x in s["runs"]]) if ref else None
+        out.append("| system | median | range (every round) | per process | x unsharded (median) | "
+                   "x unsharded per repetition | peak MiB |")
+        out.append("|---|---|---|---|---|---|---|")
+        for n, ss in per.items():
+            every = [x for s in ss for x in s["runs"]]
+            med = statistics.median(every)
+            procs = ", ".join(f"{s['ms_per_token']:.2f}" for s in ss)
+            ratio = f"{med / ref_ms:.3f}" if ref_ms else "n/a"
+            reps = (", ".join(f"{s['ms_per_token'] / u['ms_per_token']:.3f}" for s, u in zip(ss, ref))
+                    if ref and n != "unsharded" else "")
+            peak = max((s["peak_mib"] for s in ss if s["peak_mib"] is not None), default=None)
+            out.append(f"| {n} | {med:.2f} | {min(every):.2f}-{max(every):.2f} | {procs} | {ratio} | {reps} | "
+                       f"{'n/a' if peak is None else f'{peak:.0f}'} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def legend(res):

@@ -6,8 +6,11 @@ is `LinearFunctionForZeroStage3.apply`: an autograd Function whose `apply` binds
 under `no_grad`, where nothing will ever read them. In a generated token that is most of what a linear
 layer costs on the host beyond its matmul. For a z3ext parameter with grad mode off, z3ext calls the
 Function's own `forward` (the same ops: `addmm` for a 2-D input with a bias, else `matmul` and the bias
-added in place), so the result is the same bits; with grad mode on, for any other weight (a stock engine's,
-a plain tensor) and for a subclass, DeepSpeed's `apply` runs as before.
+added in place), so the result is the same bits. The same holds for a weight that is no ZeRO-3 parameter at
+all: DeepSpeed's replacement of `F.linear` persists for the whole process once `deepspeed.zero.Init` has run,
+so a plain model beside the engine (a reference or reward model, generation's unsharded baseline) pays the
+Function for every linear too. With grad mode on, for a stock engine's parameter and for a subclass,
+DeepSpeed's `apply` runs as before.
 """
 import inspect
 
@@ -26,8 +29,8 @@ def no_grad_apply(_stock):
     grad_enabled = torch.is_grad_enabled
 
     def apply(cls, *args, **kwargs):
-        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and \
-                of_param(args[1]) is not None:
+        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and (
+                of_param(args[1]) is not None or not hasattr(args[1], "ds_id")):
             return forward(*args)
         return descriptor.__get__(None, cls)(*args, **kwargs)
 

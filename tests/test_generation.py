@@ -267,12 +267,24 @@ def mel_no_grad():
             out[name] = dict(logits=logits, tokens=tokens, scores=scores, no_grad_calls=no_grad_calls,
                              grad_calls=calls[0])
             engine.destroy()
+        # A plain model in the same process (F.linear is DeepSpeed's from here on): no_grad skips the Function, with
+        # the bits of a grad-mode forward, which runs it.
+        torch.manual_seed(0)
+        plain = _llama()
+        calls[0] = 0
+        with torch.no_grad():
+            plain_no_grad = plain(input_ids=_prompt(rank, 3)).logits
+        plain_calls = [calls[0]]
+        plain_grad = plain(input_ids=_prompt(rank, 3)).logits.detach()
+        plain_calls.append(calls[0] - plain_calls[0])
     finally:
         F.setup_context = staticmethod(setup.__func__) if isinstance(setup, staticmethod) else setup
     s, z = out["stock"], out["z3ext"]
     return dict(logits=torch.equal(s["logits"], z["logits"]), tokens=torch.equal(s["tokens"], z["tokens"]),
                 scores=all(torch.equal(a, b) for a, b in zip(s["scores"], z["scores"])),
-                calls={n: (r["no_grad_calls"], r["grad_calls"]) for n, r in out.items()})
+                calls={n: (r["no_grad_calls"], r["grad_calls"]) for n, r in out.items()},
+                plain=torch.equal(plain_no_grad, plain_grad), plain_calls=plain_calls,
+                linear_replaced=torch.nn.functional.linear.__name__)
 
 
 def test_no_grad_memory_efficient_linear_is_stocks_bits_without_autograd():
@@ -280,6 +292,9 @@ def test_no_grad_memory_efficient_linear_is_stocks_bits_without_autograd():
         assert r["logits"] and r["tokens"] and r["scores"], (rank, r)
         assert r["calls"]["z3ext"][0] == 0 and r["calls"]["stock"][0] > 0, r["calls"]  # no autograd in no_grad
         assert r["calls"]["z3ext"][1] == r["calls"]["stock"][1] > 0, r["calls"]  # grad mode: DeepSpeed's apply
+        # A plain model beside them: DeepSpeed's linear (F.linear replaced), no Function in no_grad, the same bits.
+        assert r["linear_replaced"] == "zero3_linear_wrap" and r["plain"], r
+        assert r["plain_calls"][0] == 0 and r["plain_calls"][1] > 0, r["plain_calls"]
 
 
 def budget_from_memory(rank1_free=None):
