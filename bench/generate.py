@@ -293,11 +293,11 @@ def main(argv=None):
 def pool(paths):
     """One table from runs that each measured one system in a process of its own, processes alternated.
 
-    [Note: a full-length warm-up] A copy of a model whose first measured call generates more tokens than its
-    warm-up did ran up to 3.5x slower per token than its later calls (unsharded Llama 16x2048 on the H200,
-    75.6 then 21.1 and 23.6 ms): the first long call grows the CUDA allocator's pool (the KV caches of every
-    length) and pays its device allocations and frees inside the timed call. The warm-up now generates as many
-    tokens as the timed calls. Systems in one process also differ in what the process has: once
+    [Note: a full-length warm-up] After a 2-token warm-up, the first 64-token call of a copy ran up to 3.5x slower
+    per token than its later calls (unsharded Llama 16x2048 on the H200: 75.6, then 21.1 and 23.6 ms): the first
+    call to reach each length does work once (the CUDA allocator grows for longer KV caches, among others) inside
+    the timed call. The warm-up now generates as many tokens as the timed calls; with it no first round stood
+    out in 6 processes (10.5-13.3 ms, bench/results/generate-procs-*). Systems in one process also differ in what the process has: once
     `deepspeed.zero.Init` has run, DeepSpeed's memory-efficient linear replaces `F.linear` for the whole process
     ("this will persist unless manually reset"), so an unsharded model beside a ZeRO-3 one runs every linear
     through an autograd Function. Each system in its own process compares a system with the model as its user
