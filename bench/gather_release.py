@@ -133,15 +133,26 @@ class MoE(nn.Module):
     """Top-k routing over `experts` expert modules, each its own module in a ModuleList (DeepSpeed's MoE layer,
     Switch, most research code): a Python loop over the experts the tokens reach."""
 
-    def __init__(self, h, experts, ffn, topk):
+    def __init__(self, h, experts, ffn, topk, routing="position"):
         super().__init__()
-        self.topk = topk
+        self.topk, self.routing = topk, routing
         self.router = nn.Linear(h, experts, bias=False)
         self.experts = nn.ModuleList(Expert(h, ffn) for _ in range(experts))
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = torch.softmax(self.router(flat).float(), dim=-1).topk(self.topk, dim=-1)
+        scores = torch.softmax(self.router(flat).float(), dim=-1)
+        if self.routing == "learned":
+            weights, chosen = scores.topk(self.topk, dim=-1)
+        else:
+            # [Note: bench routing] In a simulated world the gathered weights are wrong, so learned routing
+            # follows garbage: z3ext's 2 blocks ran 4 expert calls where the unsharded model's ran 63 (2 x 32 experts,
+            # top 2, 128 tokens, simulated world 8), and the step compared different work. Token i goes to
+            # experts (i*k + j) mod E (balanced, the same on every system and world); the router still weighs them.
+            n, e = flat.shape[0], scores.shape[-1]
+            chosen = ((torch.arange(n, device=flat.device)[:, None] * self.topk
+                       + torch.arange(self.topk, device=flat.device)) % e)
+            weights = scores.gather(1, chosen)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
@@ -153,12 +164,12 @@ class MoE(nn.Module):
 class MoEBlock(GPTBlock):
     """A GPT block whose MLP is a mixture of per-expert modules."""
 
-    def __init__(self, h, heads, experts, ffn, topk):
+    def __init__(self, h, heads, experts, ffn, topk, routing="position"):
         nn.Module.__init__(self)
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
         self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.moe = MoE(h, experts, ffn, topk)
+        self.moe = MoE(h, experts, ffn, topk, routing)
 
     def mlp(self, x):
         return self.moe(x)
@@ -183,7 +194,7 @@ def make_model(a):
     if a.model == "moe":
         ffn = a.expert_ffn or max(1, a.hidden // 2)
         return GPT(a.vocab, a.hidden, a.layers, a.heads,
-                   block=lambda h, heads: MoEBlock(h, heads, a.experts, ffn, a.topk))
+                   block=lambda h, heads: MoEBlock(h, heads, a.experts, ffn, a.topk, a.moe_routing))
     return LinearStack(a.layers, a.hidden)
 
 
@@ -424,6 +435,9 @@ def parse(argv=None):
                    help="moe: a GPT whose MLPs are --experts expert modules each (top --topk routing)")
     p.add_argument("--experts", type=int, default=32, help="moe: experts per block")
     p.add_argument("--topk", type=int, default=2, help="moe: experts per token")
+    p.add_argument("--moe-routing", choices=["position", "learned"], default="position",
+                   help="moe: experts chosen by token position (default: the same work on every system, [Note: bench "
+                        "routing]) or by the router's top k")
     p.add_argument("--expert-ffn", type=int, default=None, help="moe: an expert's hidden width (default hidden / 2)")
     p.add_argument("--layers", type=int, default=16 if gpu else 200)
     p.add_argument("--hidden", type=int, default=2048 if gpu else 64)
