@@ -61,3 +61,38 @@ def test_simulated_world_of_8_shards_and_trains():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     assert [l.split()[:2] for l in r.stdout.splitlines() if " ok " in l] == [["stock", "ok"], ["z3ext", "ok"],
                                                                              ["fsdp2", "ok"]]
+
+
+MOE_CHILD = textwrap.dedent("""
+    import collections, sys
+    sys.path.insert(0, sys.argv[1])
+    import gather_release as gr
+    import torch
+    a = gr.parse(["--model", "moe", "--sim-world", "8", "--layers", "2", "--hidden", "64", "--experts", "32",
+                  "--topk", "2", "--seq", "64", "--micro-batch", "2", "--systems", "unsharded,z3ext"])
+    gr.init_distributed(a)
+    import deepspeed_z3ext
+    x = gr.make_input(a, torch.device("cpu"))
+    for name in ("unsharded", "z3ext"):
+        s = gr.build_system(name, a, torch.device("cpu"))
+        calls = collections.Counter()
+        experts = [m for m in s.model.modules() if type(m).__name__ == "Expert"]
+        for k, e in enumerate(experts):
+            e.register_forward_pre_hook(lambda m, i, k=k: calls.update([k]))
+        s.forward(x)
+        print(name, "experts", len(experts), "calls", sum(calls.values()), "distinct", len(calls))
+""")
+
+
+def test_bench_moe_runs_the_same_experts_on_every_system():
+    # [Note: bench routing] in bench/gather_release.py: a simulated world's gathered weights are wrong, so
+    # routing must not follow them, or the sharded systems run less work than the unsharded model.
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-c", MOE_CHILD, str(ROOT / "bench")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    rows = [l.split() for l in r.stdout.splitlines() if " experts " in l]
+    # 128 tokens x top 2 over 32 experts: every expert of both blocks runs, on both systems
+    assert rows == [["unsharded", "experts", "64", "calls", "64", "distinct", "64"],
+                    ["z3ext", "experts", "64", "calls", "64", "distinct", "64"]], r.stdout[-2000:]
