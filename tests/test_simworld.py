@@ -53,12 +53,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_simulated_world_of_8_shards_and_trains():
+def _child(code, timeout):
+    """`code` run in a process of its own (bench/ on its path), its stdout once it succeeded."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    r = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / "bench")], env=env, capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench")], env=env, capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r
+
+
+def test_simulated_world_of_8_shards_and_trains():
+    r = _child(CHILD, 900)
     assert [l.split()[:2] for l in r.stdout.splitlines() if " ok " in l] == [["stock", "ok"], ["z3ext", "ok"],
                                                                              ["fsdp2", "ok"]]
 
@@ -87,11 +93,7 @@ MOE_CHILD = textwrap.dedent("""
 def test_bench_moe_runs_the_same_experts_on_every_system():
     # [Note: bench routing] in bench/gather_release.py: a simulated world's gathered weights are wrong, so
     # routing must not follow them, or the sharded systems run less work than the unsharded model.
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    r = subprocess.run([sys.executable, "-c", MOE_CHILD, str(ROOT / "bench")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    r = _child(MOE_CHILD, 600)
     rows = [l.split() for l in r.stdout.splitlines() if " experts " in l]
     # 128 tokens x top 2 over 32 experts: every expert of both blocks runs, on both systems
     assert rows == [["unsharded", "experts", "64", "calls", "64", "distinct", "64"],
