@@ -8,7 +8,7 @@
 #   bash bench/device_run.sh grads   # gradient path: pytest -m gpu tests/test_gradients.py, then stock /
 #                                    # z3ext / z3ext-dsgrads / FSDP2 / unsharded on two shapes (all GPUs)
 #   bash bench/device_run.sh step    # bench/step_breakdown.py: the optimizer step phase by phase
-#   bash bench/device_run.sh simworld  # one GPU: GPT 0.94B and 6.7B as rank 0 of simulated worlds of 8
+#   bash bench/device_run.sh simworld  # one GPU (SIM_PROCS=1: one system per process): GPT 0.94B and 6.7B as rank 0 of simulated worlds of 8
 #                                    # and 64 (collectives do nothing: per-rank memory and host time are
 #                                    # real, communication time is zero, values wrong), all systems in
 #                                    # one process per shape and world; fits one 600 s call
@@ -255,19 +255,29 @@ if [[ $what == simworld ]]; then
     systems+=${SIM_ADD:-}
     for skip in ${SIM_SKIP-stock-mel z3ext-nohold}; do systems=${systems//$skip,/}; systems=${systems%,$skip}; done  # SIM_SKIP: left out
     [[ -n ${3:-} ]] && systems+=",$3"
-    json=bench/out/sim-$1-w$2.json; k=2
-    while [[ -e $json ]]; do json=bench/out/sim-$1-w$2-r$k.json; k=$((k + 1)); done
-    results+=("$json")
-    left=$((budget - SECONDS))
-    if ((left < 45)); then echo "# skipped $1 at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi
-    echo "# $1 GPT at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
-    mkdir -p bench/out
-    timeout -k 5 "$left" python3 bench/gather_release.py --sim-world "$2" $shape --systems "$systems" \
-      --rounds "${SIM_ROUNDS:-2}" --steps "${SIM_STEPS:-4}" --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
-    rc=$?
-    cat "${json%.json}.log" >>"$LOG/simworld.log"
-    ((rc == 0)) || { echo "# $1 at simulated world $2: exit $rc"; tail -n 15 "${json%.json}.log"; } | tee -a "$LOG/simworld.log"
-    sed -n '/^# gather_release/,/^# ratios/p' "${json%.json}.log"
+    # SIM_PROCS=1: each system in a process of its own, SIM_REPS repetitions (default 3), the order reversed every
+    # other repetition; every timed step of every process pooled per system ([Note: alternated worlds])
+    procs=("$systems"); reps=1
+    if [[ ${SIM_PROCS:-0} == 1 ]]; then IFS=',' read -ra procs <<< "$systems"; reps=${SIM_REPS:-3}; fi
+    for ((r = 0; r < reps; r++)); do
+      order=("${procs[@]}"); ((r % 2)) && order=($(printf '%s\n' "${procs[@]}" | tac))
+      for sys in "${order[@]}"; do
+        tag=$1-w$2; [[ ${SIM_PROCS:-0} == 1 ]] && tag+=-${sys//,/+}
+        json=bench/out/sim-$tag.json; k=2
+        while [[ -e $json ]]; do json=bench/out/sim-$tag-r$k.json; k=$((k + 1)); done
+        results+=("$json")
+        left=$((budget - SECONDS))
+        if ((left < 45)); then echo "# skipped $1 ($sys) at simulated world $2: ${left}s left" | tee -a "$LOG/simworld.log"; continue; fi
+        echo "# $1 GPT ($sys) at simulated world $2 (${left}s left)" | tee -a "$LOG/simworld.log"
+        mkdir -p bench/out
+        timeout -k 5 "$left" python3 bench/gather_release.py --sim-world "$2" $shape --systems "$sys" \
+          --rounds "${SIM_ROUNDS:-2}" --steps "${SIM_STEPS:-4}" --warmup 2 ${SIM_EXTRA:-} --out "$json" >"${json%.json}.log" 2>&1
+        rc=$?
+        cat "${json%.json}.log" >>"$LOG/simworld.log"
+        ((rc == 0)) || { echo "# $1 at simulated world $2: exit $rc"; tail -n 15 "${json%.json}.log"; } | tee -a "$LOG/simworld.log"
+        [[ ${SIM_PROCS:-0} == 1 ]] || sed -n '/^# gather_release/,/^# ratios/p' "${json%.json}.log"
+      done
+    done
   done
   python3 bench/simworld/summarize.py "$LOG/simworld.json" "${results[@]}" | tee "$LOG/simworld-summary.md"
 fi
