@@ -78,7 +78,7 @@ class Z3extCoordinator:
         self._group_claim_max = (2 * prefetch_bucket_numel if group_claim_max_numel is None else
                                  group_claim_max_numel)  # [Note: group claims] in groups.py
         self._groups_formed = False
-        self._covered = {}  # id(member) -> its open FetchGroup
+        self.covered = {}  # id(member) -> its open FetchGroup
 
     def _resident_from_memory(self):
         """[Note: resident budget] in resident_set.py: the elements half of this rank's free memory holds, at
@@ -129,6 +129,7 @@ class Z3extCoordinator:
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
+            self._close_all_groups()  # before a generation step lifts hooks ([Note: member hooks] in lifted.py)
             grad = torch.is_grad_enabled()
             # [Note: generation residency] in resident_set.py (after the vote on dead graphs above)
             self.resident.start_forward(grad, self.backward_claims.live_graphs() > 0)
@@ -138,7 +139,6 @@ class Z3extCoordinator:
                 check.check("at an outermost forward")  # [Note: schedule check] in schedule.py
             _clean_module_stack()
             self.running.clear()
-            self._close_all_groups()
             self.backward_window.reset()
             if self.state.grad_reducer:
                 self.state.grad_reducer.abandon_pass()  # [Note: failed pass] in grads.py
@@ -167,7 +167,7 @@ class Z3extCoordinator:
 
     def open_group_of(self, module):
         """The open group `module` is the owner or a member of, or None."""
-        group = self._covered.get(id(module))
+        group = self.covered.get(id(module))
         if group is None and self.state.groups:
             group = self.state.groups.get(id(module))
         return group if group is not None and group.open else None
@@ -177,7 +177,7 @@ class Z3extCoordinator:
         decides now whether the group will be held or claimed whole, or each member is held or takes
         its own backward claim ([Note: hold for backward], [Note: group claims])."""
         group.open = True
-        self._covered.update(dict.fromkeys(group.member_ids, group))
+        self.covered.update(dict.fromkeys(group.member_ids, group))
         claims_ = MemberClaims.NONE
         if not torch.is_grad_enabled():
             pass
@@ -188,6 +188,12 @@ class Z3extCoordinator:
                                                                      unit.numel):
             claims_ = MemberClaims.FORWARD
         group.member_claims = claims_
+        lifted = self.resident.lifted
+        if claims_ is MemberClaims.NONE and lifted is not None and not self.state.compiled:
+            lifted.lift_members(group, torch.is_grad_enabled())  # [Note: member hooks] in lifted.py
+            if self._noting:
+                for module in lifted.modules(group):
+                    self.resident.seen(module)
 
     def _holds(self, g, key, numel) -> bool:
         """Whether the open graph `g` (None: none yet) holds, or would hold, a unit of `numel` elements
@@ -202,12 +208,16 @@ class Z3extCoordinator:
     def _close(self, group):
         group.open = False
         for key in group.member_ids:
-            self._covered.pop(key, None)
+            self.covered.pop(key, None)
+        if group.lifted:
+            self.resident.lifted.restore_members(group)
 
     def _close_all_groups(self):
-        self._covered.clear()
+        self.covered.clear()
         for group in self.state.groups.values():
             group.open = False
+            if group.lifted:
+                self.resident.lifted.restore_members(group)
 
     def _warn_divergence(self):
         plan, n = self.plan, self._warn_every
@@ -230,7 +240,7 @@ class Z3extCoordinator:
         self.running.append(sub_module)
         if self._noting:
             self.resident.seen(sub_module)
-        if self._covered and id(sub_module) in self._covered:
+        if self.covered and id(sub_module) in self.covered:
             return  # its group's owner fetched it ([Note: fetch groups])
         plan = self.plan
         if plan.recording:
@@ -274,8 +284,8 @@ class Z3extCoordinator:
         else:
             self._pop_running(sub_module)
         state = self.state
-        if self._covered:
-            group = self._covered.get(id(sub_module))
+        if self.covered:
+            group = self.covered.get(id(sub_module))
             if group is not None:  # a member of an open group ([Note: fetch groups])
                 mode = group.member_claims
                 if mode is not MemberClaims.NONE and grad_enabled and not raised and any(t.requires_grad for t in outputs):

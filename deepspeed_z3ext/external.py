@@ -40,11 +40,17 @@ def getitem(stock_getitem):
             TREE.advance()
         if state is None or state.coordinator is None or state.compiled:
             return stock_getitem(self, key)
-        running = state.coordinator.running
+        coordinator = state.coordinator
+        running = coordinator.running
         if not running:
             return stock_getitem(self, key)
-        if self._parent_module is not running[-1]:
-            discover(state, running[-1], param)
+        top = running[-1]
+        if self._parent_module is not top:
+            # Inside an open group whose members' hooks are lifted, the owner runs for them: a parameter of the
+            # group's unit is its own ([Note: member hooks] in lifted.py).
+            group = state.groups.get(id(top)) if state.groups else None
+            if group is None or not group.open or param.ds_id not in group.ds_ids:
+                discover(state, top, param)
         return param
 
     return __getitem__

@@ -14,7 +14,8 @@ units its forward fetched, when
 From then on M's forward claims, gathers, holds or releases the group as any module's unit, and
 the prefetch window sees it as one position. The members' own hooks keep DeepSpeed's module stack,
 the input boundary ([Note: input boundary]) and, for a large group not held whole, each member's
-own hold or backward claim ([Note: group claims]). In an activation-checkpoint recomputation each
+own hold or backward claim ([Note: group claims]); without those claims, all but the boundary are
+lifted while the group is open ([Note: member hooks] in lifted.py). In an activation-checkpoint recomputation each
 member takes its own claim, as without groups: non-reentrant checkpointing stops a recomputation
 inside the last module it needs, whose owner's release (an exception) must not release the members
 that ran before it, whose saved parameters backward still checks. A member that runs outside its owner's forward fetches
@@ -47,7 +48,8 @@ class MemberClaims(enum.Enum):
 
 
 class FetchGroup:
-    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch")
+    __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch",
+                 "liftable", "lifted", "ds_ids")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -55,10 +57,13 @@ class FetchGroup:
         self.member_ids = frozenset(map(id, members))
         self.unit = None                # the union FetchUnit (Z3extState.unit_for)
         self.member_units = ()          # the member units it was built from
+        self.ds_ids = frozenset()       # the ds_ids of `unit`'s parameters
         self.open = False               # the owner's forward is running
         self.member_claims = MemberClaims.NONE
         self.dirty = False              # an external parameter joined inside the group
         self.epoch = -1                 # the tree epoch `unit` was checked at ([Note: tree epoch])
+        self.liftable = None            # (version, the modules whose hooks an open forward may lift) (lifted.py)
+        self.lifted = ()                # what the open forward lifted (lifted.py)
 
 
 def form(order: list, spans: Dict[int, list], root, max_numel: int, numel_of) -> Dict[int, FetchGroup]:

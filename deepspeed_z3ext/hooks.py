@@ -18,6 +18,7 @@ as DeepSpeed's `apply_to_tensors_only` does. The root module also carries DeepSp
 start-of-forward hook (`reset_step`) and, before it, one that notes whether the call passes a KV cache
 ([Note: generation residency] in resident_set.py).
 """
+import functools
 import sys
 
 import torch
@@ -104,7 +105,7 @@ _eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _frame_callback = getattr(_eval_frame, "get_eval_frame_callback", None)
 
 
-def _never_traced(fn):
+def _never_traced(fn, lifted):
     # Dynamo is imported here, at the first hook registration, not at `import deepspeed_z3ext`:
     # `torch._dynamo` takes about a second to import and a program that never registers hooks
     # (`python -m deepspeed_z3ext`, stock engines) does not need it (tests/test_build.py).
@@ -114,7 +115,11 @@ def _never_traced(fn):
     def hook(*args):
         if _frame_callback() is None:
             return fn(*args)
-        return disabled(*args)
+        lifted.compiled += 1  # no member hooks lifted from here ([Note: member hooks] in lifted.py)
+        try:
+            return disabled(*args)
+        finally:
+            lifted.compiled -= 1
 
     skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)  # loaded by torch.compiler.disable
     if skip_code is not None:
@@ -154,7 +159,7 @@ def register(offload, module):
 
     grad_enabled = torch.is_grad_enabled
 
-    @_never_traced
+    @functools.partial(_never_traced, lifted=lifted)
     def _pre_forward(m, args):
         stack.append(m)
         coordinator = offload.param_coordinator
@@ -167,7 +172,7 @@ def register(offload, module):
         if grad_enabled():
             return _input_boundary(args, boundary)
 
-    @_never_traced
+    @functools.partial(_never_traced, lifted=lifted)
     def _post_forward(m, args, output):
         raised = output is None and sys.exc_info()[0] is not None
         if stack and stack[-1] is m:
@@ -189,7 +194,18 @@ def register(offload, module):
                 _dangling(m, returned)
         offload.param_coordinator.release_sub_module(m, grad_enabled(), args, outputs, raised)
 
-    @_never_traced
+    def _member_forward(forward, *args, **kwargs):
+        # A group member's call while its group is open, in place of its two hooks ([Note: member hooks] in
+        # lifted.py): the pre-forward hook's input boundary, in grad mode
+        if grad_enabled() and args:
+            with_boundary = _input_boundary(args, boundary)
+            if with_boundary is not None:
+                args = with_boundary
+        return forward(*args, **kwargs)
+
+    lifted.member_boundary = _member_forward
+
+    @functools.partial(_never_traced, lifted=lifted)
     def _root_call(m, args, kwargs):
         # [Note: generation residency]: HF generate passes its KV cache; read before DeepSpeed's start-of-forward hook
         # (`past_key_values`; `cache` since transformers 5.25)

@@ -11,8 +11,32 @@ sees it), residency ends (the step, `engine.backward`, `train()`, `release_resid
 would have done is missed: in a fast-path forward every parameter of a covered module is gathered, so
 DeepSpeed's module stack is read by nothing (its `ZeROOrderedDict` reads it only for a parameter not
 available). DeepSpeed removing the hooks (to register them anew, or at destroy) drops what is lifted.
+
+[Note: member hooks] Inside an open fetch group ([Note: fetch groups] in groups.py) the owner's forward has
+gathered every member's parameters, and with MemberClaims.NONE (the group is released, held or claimed whole)
+a member's two hooks do nothing that matters but the input boundary ([Note: input boundary] in hooks.py): they
+keep DeepSpeed's module stack and z3ext's running list, and return at once. Yet torch's hook dispatch and the
+two calls were most of a small module's host cost beyond its own ops. So while the group is open (from the
+owner's fetch to its release, also one that raised; any forward's start closes what an abandoned one left) its
+members and the parameter-less modules inside it lose both of z3ext's hooks, and torch calls their forward
+directly; in grad mode that forward is, for the time, an instance attribute that adds the input boundary to the
+positional inputs and calls the module's own forward (an instance `forward` it had is called and put back): the
+pre-forward hook's boundary, without the hook dispatch. Only modules whose hook dicts hold z3ext's hooks alone
+are lifted; a module with other hooks keeps z3ext's, as does a module with parameters that is no member (a
+branch the recorded forward did not take: it fetches its own unit). What the lifted hooks did is done elsewhere:
+- external discovery (external.py) sees the owner as the running module: a member's access of a parameter of
+  its group is the group's own; any other parameter is discovered for the owner, as a member's discovery is;
+- a member that returns one of its parameters: the parameter is the group's, gathered until the owner's release
+  (stock registers it to the enclosing module, whose unit the group is); the owner's own hook sees it returned;
+- a no_grad forward that keeps units resident ([Note: generation residency]) counts the lifted modules as run.
+Not under a compiled region (Dynamo guards on hook dicts) nor for an engine DeepCompile took over. A grad mode
+switched on inside a no_grad owner's forward adds no boundary to its members' inputs. The lift walks the
+owner's lift-able modules once per forward (a list kept per group, rebuilt when hooks are added or removed).
 """
 from collections import OrderedDict
+from functools import partial
+
+_NONE = object()  # a module without a `forward` of its own (lift_members)
 
 
 class LiftedHooks:
@@ -21,15 +45,21 @@ class LiftedHooks:
         self._hooks = {}   # id(module) -> (module, pre-hook id, post-hook id): the lift-able ones
         self._lifted = {}  # id(module) -> (module, its three hook dicts' items before the lift)
         self._ids = None   # the module ids lifted for
+        self.member_boundary = None  # (forward, *args): a grad-mode member's call ([Note: member hooks])
+        self.compiled = 0       # > 0 while a hook runs under a compiled region (hooks.py)
+        self.member_lifts = 0   # modules whose hooks a group's forward lifted, in all (stats)
+        self._version = 0       # moves when a hook is added or forgotten: the groups' liftable lists are rebuilt
 
     def add(self, module, pre_handle, post_handle):
         """A module's two hooks become lift-able; returns their handles, which forget the module when removed
         (DeepSpeed removes them to register anew, or at destroy: a lifted hook must not come back then)."""
         key = id(module)
         self._hooks[key] = (module, pre_handle.id, post_handle.id)
+        self._version += 1
         return [_Handle(self, key, pre_handle), _Handle(self, key, post_handle)]
 
     def forget(self, key):
+        self._version += 1
         self._hooks.pop(key, None)
         self._lifted.pop(key, None)
 
@@ -66,6 +96,79 @@ class LiftedHooks:
                 d.clear()  # in place: a RemovableHandle holds a weak reference to this very dict
                 d.update(restored)
 
+
+    def lift_members(self, group, grad_enabled):
+        """[Note: member hooks]: the hooks of the modules inside `group`'s owner, for the group's open forward."""
+        if self.compiled:
+            return
+        liftable = group.liftable
+        if liftable is None or liftable[0] != self._version:
+            liftable = group.liftable = (self._version, self._liftable(group))
+        boundary, out = self.member_boundary if grad_enabled else None, []
+        for entry in liftable[1]:
+            m, pre, post, pres, posts, always = entry
+            if len(pres) != 1 or len(posts) != 1:
+                continue  # another's hook beside z3ext's, or lifted for generation
+            pre_fn = pres.get(pre)
+            if pre_fn is None or post not in posts:
+                continue
+            del pres[pre]
+            post_fn = posts.pop(post)
+            del always[post]
+            forward = None  # untouched
+            if boundary is not None:
+                attrs = m.__dict__
+                forward = attrs.get("forward", _NONE)
+                attrs["forward"] = partial(boundary, m.forward)  # the input boundary, then its forward
+            out.append((entry, pre_fn, post_fn, forward))
+        group.lifted = out
+        self.member_lifts += len(out)
+
+    @staticmethod
+    def modules(group):
+        """The modules whose hooks the open `group`'s forward lifted."""
+        return [entry[0] for entry, *_ in group.lifted]
+
+    def restore_members(self, group):
+        """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
+        lifted, group.lifted = group.lifted, ()
+        hooks = self._hooks
+        for (m, pre, post, pres, posts, always), pre_fn, post_fn, forward in lifted:
+            if forward is _NONE:
+                m.__dict__.pop("forward", None)
+            elif forward is not None:
+                m.__dict__["forward"] = forward
+            if id(m) not in hooks:
+                continue  # removed meanwhile (DeepSpeed re-registering or destroying hooks)
+            if not pres:
+                pres[pre] = pre_fn
+            else:
+                _put_first(pres, pre, pre_fn)
+            if not posts:
+                posts[post] = post_fn
+            else:
+                _put_first(posts, post, post_fn)
+            always[post] = True
+
+    def _liftable(self, group):
+        """The modules inside the group's owner whose hooks its open forward may lift, with their hook dicts:
+        members and modules without parameters of their own ([Note: member hooks])."""
+        members, out = group.member_ids, []
+        for m in group.owner.modules():
+            entry = self._hooks.get(id(m))
+            if entry is None or m is group.owner:
+                continue
+            if id(m) in members or not any(p is not None for p in m._parameters.values()):
+                out.append((m, entry[1], entry[2], m._forward_pre_hooks, m._forward_hooks,
+                            m._forward_hooks_always_called))
+        return tuple(out)
+
+
+def _put_first(d, key, value):
+    items = list(d.items())
+    d.clear()  # in place: a RemovableHandle holds a weak reference to this very dict
+    d[key] = value
+    d.update(items)
 
 
 class _Handle:

@@ -240,6 +240,7 @@ class Z3extState:
         if group.unit is None or any(u is not c for u, c in zip(units, group.member_units)):
             group.unit = ops().FetchUnit([h for u in units for h in u.handles])
             group.member_units = units
+            group.ds_ids = frozenset(h.ds_id for h in group.unit.handles)
         group.dirty = False
         group.epoch = TREE.value
         return group.unit

@@ -443,6 +443,82 @@ def test_fetch_groups_one_unit_per_block():
         assert r["groups_resyncs"] == 1, r  # the skipping forward's order, adopted by the next forward
 
 
+def member_hooks_case():
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from tests.models import TinyGPT, batch, build_engine, ds_config, full_params
+    out = {}
+    for name in ("stock", "z3ext"):
+        eng = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1), model_fn=lambda: TinyGPT(layers=4))
+        model, seen = eng.module, []
+        blk = model.blocks[1]
+
+        def probe(m, args):  # another's hook on ln1: ln1 keeps z3ext's hooks beside it
+            seen.append((torch.is_grad_enabled(), [(len(c._forward_pre_hooks), len(c._forward_hooks),
+                                                    type(c.__dict__.get("forward")).__name__) for c in blk.children()]))
+
+        blk.ln1.register_forward_pre_hook(probe)
+        tap = {"on": False}
+        for b in model.blocks:  # fc2 reads the head's weight from step 2 on: an external found inside a group
+            def forward(x, fc2=b.fc2):
+                y = F.linear(x, fc2.weight, fc2.bias)
+                return y + 1e-2 * model.head.weight.detach().mean() if tap["on"] else y
+            b.fc2.forward = forward
+
+        def hooks():
+            return {n: [list(d.items()) for d in (m._forward_pre_hooks, m._forward_hooks,
+                                                  m._forward_hooks_always_called)] + [m.__dict__.get("forward")]
+                    for n, m in model.named_modules()}
+
+        before, losses = hooks(), []
+        for step in range(5):
+            tap["on"] = step >= 2
+            loss = eng(batch(step, dist.get_rank()))
+            eng.backward(loss)
+            eng.step()
+            with torch.no_grad():
+                losses.append((loss.item(), eng(batch(step + 10, dist.get_rank())).item()))
+        if name == "z3ext":  # generation's way: the groups' lifted members count as run ([Note: resident fast path])
+            import deepspeed_z3ext
+            fast = deepspeed_z3ext.stats(eng).resident_forwards
+            with torch.no_grad(), deepspeed_z3ext.resident(eng):
+                for i in range(4):
+                    losses.append(eng(batch(20 + i, dist.get_rank())).item())
+            out["fast"] = deepspeed_z3ext.stats(eng).resident_forwards - fast
+        else:
+            with torch.no_grad():
+                losses.extend(eng(batch(20 + i, dist.get_rank())).item() for i in range(4))
+        out[name] = losses
+        out[name + "_params"] = full_params(eng)
+        out[name + "_hooks_restored"] = hooks() == before
+        out[name + "_seen"] = seen
+        out[name + "_head_external"] = [any(p is model.head.weight for p in b._external_params.values())
+                                        for b in model.blocks]
+    out["params_equal"] = params_equal(out.pop("stock_params"), out.pop("z3ext_params"))
+    return out
+
+
+def test_member_hooks_are_lifted_while_their_group_is_open():
+    """[Note: member hooks]: from the second forward on, a block's members run without z3ext's hooks (in grad
+    mode their call adds the input boundary, then runs their forward, their own if they have one), but a member
+    with another's hook beside z3ext's; every hook and forward is back in its place after each forward. A parameter of a module outside the block, read
+    by a member only from step 2 on, is discovered for the block. In a `resident` block every no_grad forward after
+    the first runs the fast path. Losses (training and no_grad) and parameters are stock's, bitwise."""
+    for r in run_on_ranks(member_hooks_case):
+        assert r["stock"] == r["z3ext"] and r["params_equal"], r
+        assert r["z3ext_hooks_restored"] and r["stock_hooks_restored"], r
+        seen = r["z3ext_seen"]
+        # children of a block: ln1 (the probe's: 2 pre-hooks), qkv, proj, ln2, fc1, fc2 (a forward of its own)
+        own = [(1, 1, "NoneType")] * 4 + [(1, 1, "function")]
+        assert seen[0] == (True, [(2, 1, "NoneType")] + own), seen[0]  # the recorded forward: no groups yet
+        grad = [(0, 0, "partial")] * 5  # the input boundary, then the member's forward (fc2's own)
+        no_grad = [(0, 0, "NoneType")] * 4 + [(0, 0, "function")]
+        assert seen[2:10] == [(True, [(2, 1, "NoneType")] + grad), (False, [(2, 1, "NoneType")] + no_grad)] * 4, seen
+        assert r["z3ext_head_external"] == [True] * 4, r
+        assert r["fast"] == 3, r  # every resident forward after the first
+
+
 # ----------------------------------------------------------------------------- world of one
 def world_of_one_case():
     import deepspeed
