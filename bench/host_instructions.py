@@ -2,6 +2,7 @@
 
     python bench/host_instructions.py                       # unsharded and z3ext, GPT 16x64, simulated world 8
     python bench/host_instructions.py --systems unsharded,stock,z3ext --phases tiny,fwd --sim-world 64
+    python bench/host_instructions.py --model llama --phases token --hidden 256    # a generated token (HF generate)
 
 [Note: host instructions] Host time on the 2-core CPU VM moves by 10-15 % between runs and processes, more
 than most host-work changes. valgrind's callgrind counts the instructions a process executes, the same
@@ -28,7 +29,7 @@ SHIM = r"""
 void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_TOGGLE_COLLECT; }
 void cg_stop(void) { CALLGRIND_TOGGLE_COLLECT; CALLGRIND_STOP_INSTRUMENTATION; }
 """
-PHASES = ("tiny", "fwd", "bwd")
+PHASES = ("tiny", "fwd", "bwd", "token")  # token: --model llama only
 
 
 def _shim(out_dir: Path) -> Path:
@@ -51,6 +52,8 @@ def _child(a):
     import torch
     import gather_release as gr
     torch.set_num_threads(1)
+    if a.model == "llama":
+        return _child_token(a)
     ga = gr.parse(["--model", a.model, "--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq),
                    "--micro-batch", "1", "--sim-world", str(a.sim_world), "--dtype", a.dtype,
                    "--experts", str(a.experts)])
@@ -86,6 +89,43 @@ def _child(a):
         s.step()
 
 
+def _child_token(a):
+    """A generated token: HF generate on a Llama (bench/generate.py's systems), one forward per new token after
+    the prompt's counted (the root module's call: z3ext's hooks and DeepSpeed's forward included), `a.iters`
+    tokens per generate call after a warm-up call."""
+    import ctypes
+    import gc
+    import deepspeed
+    import torch
+    import generate as gen
+    ga = gen.parse(["--sim-world", str(a.sim_world), "--layers", str(a.layers), "--hidden", str(a.hidden),
+                    "--vocab", "1024", "--batch", "1", "--prompt", str(a.seq), "--new-tokens", str(a.iters + 1)])
+    deepspeed.init_distributed()
+    s = gen.build(a.child, ga, torch.device("cpu"), 0)
+    ids = torch.randint(0, 1024, (1, a.seq), generator=torch.Generator().manual_seed(0))
+    gen.run_generate(s, ids, a.iters + 1)
+    cg, model, counted = ctypes.CDLL(a.shim), s.model, [0]
+    call = model._call_impl
+
+    def counting_call(*args, **kwargs):
+        token = kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] == 1
+        if token:
+            counted[0] += 1
+            cg.cg_start()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if token:
+                cg.cg_stop()
+
+    model._call_impl = counting_call  # (Module.__call__ looks it up on the instance)
+    gc.collect()
+    gc.disable()
+    gen.run_generate(s, ids, a.iters + 1)
+    if counted[0] != a.iters:
+        raise SystemExit(f"counted {counted[0]} token forwards, expected {a.iters}")
+
+
 def _count(a, system, phase, shim, work) -> float:
     if shutil.which("valgrind") is None:
         raise SystemExit("bench/host_instructions.py needs valgrind (Debian: apt-get install valgrind)")
@@ -109,7 +149,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="unsharded,z3ext")
     p.add_argument("--phases", default=",".join(PHASES), help="tiny (no_grad 1x8 forward), fwd, bwd")
-    p.add_argument("--model", choices=["gpt", "moe"], default="gpt", help="moe: --experts expert modules per block")
+    p.add_argument("--model", choices=["gpt", "moe", "llama"], default="gpt",
+                   help="moe: --experts expert modules per block; llama: HF Llama, phase token (a generated token)")
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
@@ -124,16 +165,18 @@ def main():
     if a.child:
         return _child(a)
     systems, phases = a.systems.split(","), a.phases.split(",")
-    unknown = [ph for ph in phases if ph not in PHASES]
+    unknown = [ph for ph in phases if ph not in PHASES or (ph == "token") != (a.model == "llama")]
     if unknown:
-        raise SystemExit(f"unknown phase(s) {unknown}: choose from {PHASES}")
+        raise SystemExit(f"phase(s) {unknown} not for --model {a.model}: tiny, fwd, bwd for gpt and moe; token for llama")
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     shim = _shim(out)
     work = Path(tempfile.mkdtemp(prefix="host-instr-", dir=out))
     counts = {(s, ph): _count(a, s, ph, shim, work) for s in systems for ph in phases}
     experts = f" with {a.experts} expert modules per block" if a.model == "moe" else ""
-    print(f"# host instructions (callgrind, M per call, 1 thread): GPT {a.layers}x{a.hidden}{experts}, {a.seq} tokens, "
+    shape = (f"HF Llama {a.layers}x{a.hidden}, a {a.seq}-token prompt, per generated token" if a.model == "llama" else
+             f"GPT {a.layers}x{a.hidden}{experts}, {a.seq} tokens")
+    print(f"# host instructions (callgrind, M per call, 1 thread): {shape}, "
           f"{a.dtype}, CPU; simulated world {a.sim_world}: no communication time, values wrong")
     print("      system" + "".join(f"{ph:>10}" for ph in phases))
     for s in systems:

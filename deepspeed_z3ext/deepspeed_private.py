@@ -7,7 +7,9 @@ name-mangled private), and the swapper's I/O handle factory (a module global). E
 function, which says what it looked for. The classes z3ext replaces attributes of are seams.py's.
 Tested with the DeepSpeed versions in TESTED_VERSIONS; another version warns once at import.
 """
+import collections
 import contextlib
+import sys
 
 import deepspeed
 from deepspeed.runtime.zero import parameter_offload
@@ -56,6 +58,11 @@ def active_fallback():
     return z3_eager_fallback._ACTIVE_FALLBACK
 
 
+# The module whose `_ACTIVE_FALLBACK` is DeepCompile's running fallback (active_fallback); external.py reads it
+# through sys.modules on each parameter access, without importing it.
+EAGER_FALLBACK_MODULE = "deepspeed.compile.z3_eager_fallback"
+
+
 def set_active_fallback(fallback):
     from deepspeed.compile import z3_eager_fallback
     z3_eager_fallback._ACTIVE_FALLBACK = fallback
@@ -95,3 +102,24 @@ def without_forward_walk(engine):
         yield
     finally:
         del engine.__dict__["zero_optimization_partition_weights"]
+
+
+class _GatheredDict(parameter_offload.ZeROOrderedDict):
+    """A module's ZeROOrderedDict while all its parameters are gathered for the time ([Note: lifted getters] in
+    lifted.py): OrderedDict's lookup, DeepSpeed's setter and deleter (and z3ext's seams on them)."""
+    __slots__ = ()
+    __getitem__ = collections.OrderedDict.__getitem__
+
+
+def plain_lookups(params) -> bool:
+    """A module's `_parameters`, if it is a ZeROOrderedDict, looks parameters up without DeepSpeed's getter until
+    `zero_lookups`; False where it is not one (or already so)."""
+    if type(params) is parameter_offload.ZeROOrderedDict:
+        params.__class__ = _GatheredDict
+        return True
+    return False
+
+
+def zero_lookups(params):
+    if type(params) is _GatheredDict:
+        params.__class__ = parameter_offload.ZeROOrderedDict

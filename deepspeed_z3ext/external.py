@@ -12,6 +12,7 @@ forward at once. Accesses of a module's own parameters cost one identity check. 
 module forward (code between forwards), while Dynamo traces, and for an engine DeepCompile took
 over (its eager fallback, fallback.py, is driven from DeepSpeed's getter) DeepSpeed's getter runs.
 """
+import sys
 from collections import OrderedDict
 
 import torch
@@ -22,17 +23,27 @@ from deepspeed_z3ext.epoch import TREE
 from deepspeed_z3ext.state import STATE_ATTR, of_engine
 
 _dict_getitem = OrderedDict.__getitem__
+_AVAILABLE = ZeroParamStatus.AVAILABLE
+_modules, _FALLBACK_MODULE = sys.modules, private.EAGER_FALLBACK_MODULE
+
+# [Note: gathered outside a module forward] Outside z3ext's module forwards (a generation step on the resident
+# fast path, whose hooks are lifted; code between forwards) DeepSpeed's getter does nothing for a gathered
+# parameter but record it in an active DeepCompile eager fallback, at the cost of an import statement and a dozen
+# attribute reads per access (about 150 accesses per generated token of a 16-layer Llama): z3ext returns it.
 
 
 def getitem(stock_getitem):
     """`ZeROOrderedDict.__getitem__` (seams.py): registers every access inside a z3ext module's
-    forward ([Note: external discovery]); DeepSpeed's getter for everything else."""
+    forward ([Note: external discovery]); outside them a gathered z3ext parameter as it is ([Note: gathered
+    outside a module forward]); DeepSpeed's getter for everything else."""
 
     def __getitem__(self, key):
+        param = _dict_getitem(self, key)
+        if param is None:
+            return None  # (a bias registered as None) as DeepSpeed's getter returns it
         if torch.compiler.is_compiling():  # Dynamo traces DeepSpeed's getter, which it knows
             return stock_getitem(self, key)
-        param = _dict_getitem(self, key)
-        state = getattr(param, STATE_ATTR, None) if param is not None else None
+        state = getattr(param, STATE_ATTR, None)
         if state is None and self._in_forward and hasattr(param, "ds_id"):
             # A ZeRO parameter z3ext has not adopted (a module attached after initialize): DeepSpeed's
             # getter registers it as an external of the running module, whose unit adopts it at its
@@ -40,9 +51,12 @@ def getitem(stock_getitem):
             TREE.advance()
         if state is None or state.coordinator is None or state.compiled:
             return stock_getitem(self, key)
-        coordinator = state.coordinator
-        running = coordinator.running
+        running = state.coordinator.running
         if not running:
+            if param.ds_status is _AVAILABLE:  # [Note: gathered outside a module forward]
+                fallbacks = _modules.get(_FALLBACK_MODULE)  # DeepCompile's, if imported
+                if fallbacks is None or fallbacks._ACTIVE_FALLBACK is None:
+                    return param
             return stock_getitem(self, key)
         top = running[-1]
         if self._parent_module is not top:

@@ -16,7 +16,7 @@ import inspect
 
 import torch
 
-from deepspeed_z3ext.state import of_param
+from deepspeed_z3ext.state import STATE_ATTR
 
 
 def no_grad_apply(_stock):
@@ -30,7 +30,7 @@ def no_grad_apply(_stock):
 
     def apply(cls, *args, **kwargs):
         if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and (
-                of_param(args[1]) is not None or not hasattr(args[1], "ds_id")):
+                hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):  # a z3ext weight, or none of ZeRO's
             return forward(*args)
         return descriptor.__get__(None, cls)(*args, **kwargs)
 
