@@ -78,7 +78,7 @@ class Z3extCoordinator:
         self._group_claim_max = (2 * prefetch_bucket_numel if group_claim_max_numel is None else
                                  group_claim_max_numel)  # [Note: group claims] in groups.py
         self._groups_formed = False
-        self.covered = {}  # id(member) -> its open FetchGroup
+        self._covered = {}  # id(member) -> its open FetchGroup
 
     def _resident_from_memory(self):
         """[Note: resident budget] in resident_set.py: the elements half of this rank's free memory holds, at
@@ -167,7 +167,7 @@ class Z3extCoordinator:
 
     def open_group_of(self, module):
         """The open group `module` is the owner or a member of, or None."""
-        group = self.covered.get(id(module))
+        group = self._covered.get(id(module))
         if group is None and self.state.groups:
             group = self.state.groups.get(id(module))
         return group if group is not None and group.open else None
@@ -177,7 +177,7 @@ class Z3extCoordinator:
         decides now whether the group will be held or claimed whole, or each member is held or takes
         its own backward claim ([Note: hold for backward], [Note: group claims])."""
         group.open = True
-        self.covered.update(dict.fromkeys(group.member_ids, group))
+        self._covered.update(dict.fromkeys(group.member_ids, group))
         claims_ = MemberClaims.NONE
         if not torch.is_grad_enabled():
             pass
@@ -208,12 +208,12 @@ class Z3extCoordinator:
     def _close(self, group):
         group.open = False
         for key in group.member_ids:
-            self.covered.pop(key, None)
+            self._covered.pop(key, None)
         if group.lifted:
             self.resident.lifted.restore_members(group)
 
     def _close_all_groups(self):
-        self.covered.clear()
+        self._covered.clear()
         for group in self.state.groups.values():
             group.open = False
             if group.lifted:
@@ -240,7 +240,7 @@ class Z3extCoordinator:
         self.running.append(sub_module)
         if self._noting:
             self.resident.seen(sub_module)
-        if self.covered and id(sub_module) in self.covered:
+        if self._covered and id(sub_module) in self._covered:
             return  # its group's owner fetched it ([Note: fetch groups])
         plan = self.plan
         if plan.recording:
@@ -284,8 +284,8 @@ class Z3extCoordinator:
         else:
             self._pop_running(sub_module)
         state = self.state
-        if self.covered:
-            group = self.covered.get(id(sub_module))
+        if self._covered:
+            group = self._covered.get(id(sub_module))
             if group is not None:  # a member of an open group ([Note: fetch groups])
                 mode = group.member_claims
                 if mode is not MemberClaims.NONE and grad_enabled and not raised and any(t.requires_grad for t in outputs):

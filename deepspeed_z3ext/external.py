@@ -8,9 +8,12 @@ which runs inside backward, reads whatever state the parameter is in then: a sha
 z3ext registers every access made while a module of its engine runs its forward (recomputation
 included), resident or not: the parameter joins that module's fetch unit, so every later fetch,
 recomputation and plan prefetch of the module includes it, and it is claimed for the module's
-forward at once. Accesses of a module's own parameters cost one identity check. Outside any z3ext
-module forward (code between forwards), while Dynamo traces, and for an engine DeepCompile took
-over (its eager fallback, fallback.py, is driven from DeepSpeed's getter) DeepSpeed's getter runs.
+forward at once. Accesses of a module's own parameters cost one identity check (inside an open
+fetch group whose members' hooks are lifted, a parameter of the group's unit is the owner's own).
+Outside any z3ext module forward (code between forwards) a gathered parameter is returned as it is
+([Note: gathered outside a module forward]); there otherwise, while Dynamo traces, and for an engine
+DeepCompile took over (its eager fallback, fallback.py, is driven from DeepSpeed's getter)
+DeepSpeed's getter runs.
 """
 import sys
 from collections import OrderedDict
@@ -26,10 +29,11 @@ _dict_getitem = OrderedDict.__getitem__
 _AVAILABLE = ZeroParamStatus.AVAILABLE
 _modules, _FALLBACK_MODULE = sys.modules, private.EAGER_FALLBACK_MODULE
 
-# [Note: gathered outside a module forward] Outside z3ext's module forwards (a generation step on the resident
-# fast path, whose hooks are lifted; code between forwards) DeepSpeed's getter does nothing for a gathered
+# [Note: gathered outside a module forward] Outside z3ext's module forwards (code between forwards, the root's own
+# parameters in a generation step on the resident fast path) DeepSpeed's getter does nothing for a gathered
 # parameter but record it in an active DeepCompile eager fallback, at the cost of an import statement and a dozen
-# attribute reads per access (about 150 accesses per generated token of a 16-layer Llama): z3ext returns it.
+# attribute reads per access: z3ext returns it. (The fast path's other modules need no getter at all: [Note:
+# lifted getters] in lifted.py.)
 
 
 def getitem(stock_getitem):

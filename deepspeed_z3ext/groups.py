@@ -14,8 +14,8 @@ units its forward fetched, when
 From then on M's forward claims, gathers, holds or releases the group as any module's unit, and
 the prefetch window sees it as one position. The members' own hooks keep DeepSpeed's module stack,
 the input boundary ([Note: input boundary]) and, for a large group not held whole, each member's
-own hold or backward claim ([Note: group claims]); without those claims, all but the boundary are
-lifted while the group is open ([Note: member hooks] in lifted.py). In an activation-checkpoint recomputation each
+own hold or backward claim ([Note: group claims]); without those claims the hooks are lifted while
+the group is open, the boundary kept ([Note: member hooks] in lifted.py). In an activation-checkpoint recomputation each
 member takes its own claim, as without groups: non-reentrant checkpointing stops a recomputation
 inside the last module it needs, whose owner's release (an exception) must not release the members
 that ran before it, whose saved parameters backward still checks. A member that runs outside its owner's forward fetches

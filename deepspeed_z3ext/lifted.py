@@ -34,8 +34,8 @@ switched on inside a no_grad owner's forward adds no boundary to its members' in
 owner's lift-able modules once per forward (a list kept per group, rebuilt when hooks are added or removed).
 
 [Note: lifted getters] DeepSpeed makes every module's `_parameters` a ZeROOrderedDict whose getter (z3ext's seam,
-external.py) runs in Python on every parameter access (`self.weight`): a few calls each, 260 accesses per generated
-token of a 16-layer Llama, 390 per forward of a 32-layer GPT. Where the hooks are lifted, every parameter of the
+external.py) runs in Python on every parameter access (`self.weight`): a few calls each, about 150 accesses per
+generated token of a 16-layer Llama, 390 per forward of a 32-layer GPT. Where the hooks are lifted, every parameter of the
 module is gathered (a covered module of the resident fast path; a member of an open group, whose parameters are
 its group's own), so the getter has nothing to do: for the time, the dict's class is a subclass with
 OrderedDict's own lookup (deepspeed_private.plain_lookups), still a ZeROOrderedDict with DeepSpeed's setter and
@@ -57,7 +57,6 @@ class LiftedHooks:
         self._ids = None   # the module ids lifted for
         self.member_boundary = None  # (forward, *args): a grad-mode member's call ([Note: member hooks])
         self.compiled = 0       # > 0 while a hook runs under a compiled region (hooks.py)
-        self.member_lifts = 0   # modules whose hooks a group's forward lifted, in all (stats)
         self._version = 0       # moves when a hook is added or forgotten: the groups' liftable lists are rebuilt
 
     def add(self, module, pre_handle, post_handle):
@@ -138,7 +137,6 @@ class LiftedHooks:
             params = m._parameters
             out.append((entry, pre_fn, post_fn, forward, params if params and plain_lookups(params) else None))
         group.lifted = out
-        self.member_lifts += len(out)
 
     @staticmethod
     def modules(group):
