@@ -28,8 +28,8 @@
 #   bash bench/device_run.sh world1-ab  # the 0.94B GPT at world 1 (real): main against the package in .before,
 #                                    # alternated processes (WORLD1_RUNS, default 4), each with its own op build;
 #                                    # .before: `git archive REV deepspeed_z3ext csrc op_builder | tar -x -C .before`
-#   bash bench/device_run.sh simworld-ab  # 0.47B and 0.94B GPT at simulated world 8, unsharded and z3ext: main against
-#                                    # .before, alternated processes (SIMAB_SHAPES, SIMAB_RUNS, SIMAB_WORLD)
+#   bash bench/device_run.sh simworld-ab  # 0.47B and 0.94B GPT (and per-expert MoE) at simulated worlds, unsharded and z3ext:
+#                                    # main against .before, alternated processes (SIMAB_SHAPES, SIMAB_RUNS, SIMAB_WORLDS)
 #   bash bench/device_run.sh ranks-on-one-gpu  # pytest -m gpu with every "two GPUs" test as N ranks on the one GPU
 #                                    # through gloo, N in ONE_GPU_RANKS (default "2 4"), the N runs side by side
 #                                    # ([Note: ranks on one GPU] in tests/harness.py); ONE_GPU_TESTS: pytest arguments
@@ -191,22 +191,32 @@ if [[ $what == world1-ab ]]; then
   done 2>&1 | tee "$LOG/world1-ab.log"
 fi
 if [[ $what == simworld-ab ]]; then
-  # Simulated world (SIMAB_WORLD, default 8): main against the package in .before, unsharded and z3ext, alternated
-  # processes (SIMAB_RUNS per shape, default 2 each) on the 0.47B and the 0.94B GPT (SIMAB_SHAPES); ops as in world1-ab.
+  # Simulated worlds (SIMAB_WORLDS, default "8"): main against the package in .before, unsharded and z3ext in each
+  # process, alternated processes (SIMAB_RUNS per package, shape and world, default 2) on the 0.47B and the 0.94B GPT
+  # (SIMAB_SHAPES: narrow, 0.94B, moe); ops as in world1-ab. A process starts only while 60 s of SIMAB_BUDGET
+  # (default 570, from this script's start) are left. Table: bench/simworld/ab.py, every process's result in $LOG.
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
   PYTHONPATH=/tmp/site:$PWD/.before:$PWD TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext-before \
     python3 -c "from deepspeed_z3ext._ops import ops; ops(); print('ops of .before built')" || exit 1
+  rm -f bench/out/simab-*.json
   for shape in ${SIMAB_SHAPES:-narrow 0.94B}; do
     args=""; [[ $shape == narrow ]] && args="--layers 32 --hidden 1024 --heads 16 --seq 1024 --micro-batch 4"
+    [[ $shape == moe ]] && args="--model moe --layers 8 --hidden 1024 --heads 16 --experts 32 --topk 2 --seq 1024 --micro-batch 4"
     for ((k = 0; k < 2 * ${SIMAB_RUNS:-2}; k++)); do
-      if ((k % 2 == 0)); then src=$PWD/.before ext=/tmp/z3ext-ext-before; else src="" ext=$TORCH_EXTENSIONS_DIR; fi
-      label=${src:+.before}; echo "## simulated world ${SIMAB_WORLD:-8}, $shape GPT, package: ${label:-main}"
-      mkdir -p bench/out
-      PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 120 python3 bench/gather_release.py \
-        --sim-world "${SIMAB_WORLD:-8}" $args --systems unsharded,z3ext --rounds 2 --steps 4 --warmup 2 \
-        --out bench/out/simab-$shape-$k.json 2>&1 | grep -v Warning | sed -n '/^# gather_release/,/^# ratios/p;/z3ext\/unsharded/p'
+      for world in ${SIMAB_WORLDS:-8}; do
+        if ((k % 2 == 0)); then src=$PWD/.before ext=/tmp/z3ext-ext-before pkg=before; else src="" ext=$TORCH_EXTENSIONS_DIR pkg=after; fi
+        left=$((${SIMAB_BUDGET:-570} - SECONDS))
+        if ((left < 60)); then echo "# skipped: $shape at simulated world $world ($pkg): ${left}s left"; continue; fi
+        echo "## simulated world $world, $shape GPT, package: $pkg"
+        mkdir -p bench/out
+        PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 $((left < 150 ? left : 150)) \
+          python3 bench/gather_release.py --sim-world "$world" $args --systems unsharded,z3ext --rounds 2 --steps 4 \
+          --warmup 2 --out bench/out/simab-$shape-w$world-$pkg-$k.json 2>&1 | grep -v Warning | sed -n '/z3ext\/unsharded/p'
+        cp bench/out/simab-$shape-w$world-$pkg-$k.json "$LOG/" 2>/dev/null
+      done
     done
   done 2>&1 | tee "$LOG/simworld-ab.log"
+  python3 bench/simworld/ab.py bench/out/simab-*.json | tee "$LOG/simworld-ab.md"
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/gather_release.py --rounds 2 --systems stock,z3ext,fsdp2 2>&1 | tee "$LOG/bench.log" | tail -30
