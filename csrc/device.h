@@ -20,6 +20,10 @@
 
 namespace z3ext {
 
+// A tensor as one flat run: itself when it is one already (partitions and most gradients are; a reshape is a
+// dispatched op, ~2.9k instructions on the 2-core VM, per parameter and gather or flush).
+inline at::Tensor flat_of(const at::Tensor& t) { return t.dim() == 1 && t.is_contiguous() ? t : t.reshape({-1}); }
+
 #ifdef Z3EXT_WITH_CUDA
 // [Note: event pool] Every gather batch records two events (the compute stream's point its gather
 // stream waits for, and the gather's completion); a new CUDAEvent is a cudaEventCreate at its first

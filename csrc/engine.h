@@ -409,8 +409,8 @@ class GatherEngine {
     for (auto* h : params) {
       py::object source;
       const bool secondary = secondary_ok && h->secondary && !h->stale &&
-                             !(source = h->param.attr("ds_secondary_tensor")).is_none();
-      at::Tensor part = secondary ? source.cast<at::Tensor>() : h->param.attr("ds_tensor").cast<at::Tensor>();
+                             !(source = h->param.attr(attr_names().ds_secondary_tensor)).is_none();
+      at::Tensor part = secondary ? source.cast<at::Tensor>() : h->param.attr(attr_names().ds_tensor).cast<at::Tensor>();
       const int64_t expected = secondary ? h->secondary->partition_numel : h->partition_numel;
       if (part.numel() != expected)
         throw std::runtime_error("z3ext: " + h->describe() + " has a " + (secondary ? "secondary (hpZ) " : "") +
@@ -463,7 +463,7 @@ class GatherEngine {
         same_device = same_device && hp.second.device() == device && hp.second.scalar_type() == dtype;
       if (same_device) {
         for (auto& [h, part] : params) {
-          h->tensor.set_data(part.reshape({-1}).narrow(0, 0, h->numel).view(h->shape));
+          h->tensor.set_data(flat_of(part).narrow(0, 0, h->numel).view(h->shape));
           adopt(*h, bucket);
         }
         stats_.gathered_params += static_cast<int64_t>(params.size());
@@ -480,7 +480,7 @@ class GatherEngine {
     stream_.run(device, [&] {
       std::vector<at::Tensor> flat;
       flat.reserve(params.size());
-      for (auto& hp : params) flat.push_back(hp.second.reshape({-1}));
+      for (auto& hp : params) flat.push_back(flat_of(hp.second));
       if (world == 1) {
         // Partitions on another device (above: same-device ones are viewed).
         for (size_t i = 0; i < params.size(); ++i) outs[i].copy_(flat[i], /*non_blocking=*/true);
@@ -729,7 +729,7 @@ class GatherEngine {
 
   // `h` (its data already set) is gathered into `bucket`.
   void adopt(ParamHandle& h, const std::shared_ptr<Bucket>& bucket) {
-    h.param.attr("ds_status") = available_;
+    h.param.attr(attr_names().ds_status) = available_;
     h.bucket = bucket;
   }
 
@@ -738,7 +738,7 @@ class GatherEngine {
     // A prefetch released unused: its memory is free for reuse only after the gather that wrote it.
     h.bucket->wait_ready(device);
     h.tensor.set_data(placeholder(h));
-    h.param.attr("ds_status") = not_available_;
+    h.param.attr(attr_names().ds_status) = not_available_;
     h.bucket.reset();
     h.stale = false;
     stats_.released_params++;

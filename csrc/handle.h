@@ -12,6 +12,21 @@
 namespace z3ext {
 namespace py = pybind11;
 
+// DeepSpeed's parameter attributes z3ext reads and writes on every gather and release, as interned
+// Python strings made once: `attr("name")` makes a new string and hashes it on every call (about 700
+// instructions per parameter and gather, bench/NOTES.md v35). Leaked on purpose: freed after the
+// interpreter's finalization they would touch a dead heap. First used with the GIL held.
+struct AttrNames {
+  py::object ds_tensor, ds_status, ds_secondary_tensor;
+};
+inline const AttrNames& attr_names() {
+  static const AttrNames* names = new AttrNames{
+      py::reinterpret_steal<py::object>(PyUnicode_InternFromString("ds_tensor")),
+      py::reinterpret_steal<py::object>(PyUnicode_InternFromString("ds_status")),
+      py::reinterpret_steal<py::object>(PyUnicode_InternFromString("ds_secondary_tensor"))};
+  return *names;
+}
+
 // The parameters gathered by one collective: they share its completion fence. Each parameter's
 // gathered memory is its own storage (ParamHandle::full), see [Note: true release] in engine.h.
 struct Bucket {

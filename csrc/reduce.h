@@ -144,10 +144,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
   }
 #endif
   std::vector<at::Tensor> flat(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    flat[i] = g.dim() == 1 && g.is_contiguous() ? g : g.reshape({-1});  // a view less per 1-D gradient
-  }
+  for (size_t i = 0; i < grads.size(); ++i) flat[i] = flat_of(grads[i]);
   // [Note: world of one] One rank: no collective and nothing to lay out; stock's `div_(1)` and
   // averaging are exact identities, so each gradient goes straight into its partition (one
   // multi-tensor kernel per dtype pair where dtypes allow).
@@ -157,7 +154,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
     for (size_t i = 0; i < grads.size(); ++i) {
       if (flat[i].numel() == 0) continue;
       at::Tensor src = flat[i].scalar_type() == comm_dtype ? flat[i] : flat[i].to(comm_dtype);
-      at::Tensor dest = dests[i].reshape({-1}).narrow(0, 0, src.numel());
+      at::Tensor dest = flat_of(dests[i]).narrow(0, 0, src.numel());
       if (src.scalar_type() != dest.scalar_type()) src = src.to(dest.scalar_type());
       srcs.push_back(src);
       dsts.push_back(dest);
@@ -209,7 +206,7 @@ inline ReduceScatterResult reduce_scatter_grads(const ReduceScatterFn& collectiv
           run = PartitionRun{off, len, d};
         } else {
           at::Tensor part = mine.narrow(0, off, len);
-          at::Tensor dest = d.reshape({-1}).narrow(0, 0, len);
+          at::Tensor dest = flat_of(d).narrow(0, 0, len);
           if (part.scalar_type() != dest.scalar_type()) part = part.to(dest.scalar_type());
           parts.push_back(part);
           outs.push_back(dest);

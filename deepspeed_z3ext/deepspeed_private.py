@@ -52,6 +52,24 @@ def backward_hook_state(optimizer):
     return optimizer._backward_hook_state
 
 
+def routine_hook(hooks) -> bool:
+    """Whether a gradient hook firing now is a routine one ([Note: routine gradient hook] in grad_hooks.py): not
+    the first of its backward (phase), the post-backward callback queued. For such a hook the refresh predicate
+    is false, the re-entry does nothing and the update only counts it (`count_routine_hook`). 0.19.8's
+    `BackwardHookState` methods."""
+    return bool(hooks.hooks_fired_this_backward and hooks.post_backward_callback_queued
+                and not (hooks.remaining_grad_acc_hooks == 0 and hooks.backward_active_depth == 0
+                         and hooks.backward_seen_this_step))
+
+
+def count_routine_hook(hooks):
+    """`update_hook_state_and_maybe_run_epilogue(max_expected_hooks_seen)` for a routine hook: one more fired,
+    the expected count unchanged, the callback already queued, so only the remaining count moves."""
+    fired = hooks.hooks_fired_this_backward + 1
+    hooks.hooks_fired_this_backward = fired
+    hooks.remaining_grad_acc_hooks = max(hooks.max_expected_hooks_seen - fired, 0)
+
+
 def active_fallback():
     """DeepCompile's module-global eager fallback of the running engine.forward (None outside)."""
     from deepspeed.compile import z3_eager_fallback

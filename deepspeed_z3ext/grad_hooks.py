@@ -13,6 +13,11 @@ the re-entry of a reentrant-checkpoint phase, the gradient's note (skipped insid
 expected-hook count (stage 3's `count_used_parameters_in_backward`, looked up when called so its seam
 applies) and the epilogue decision. What differs: no NVTX range named `reduce_partition_and_remove_grads`
 in a profiler's timeline, and the reducer is read from the engine's state instead of through the seam.
+[Note: routine gradient hook] All but the first hook of a backward find the post-backward callback queued and
+no reentrant phase ending: there DeepSpeed's three calls on its hook state reduce to counting the hook
+(deepspeed_private.routine_hook, count_routine_hook: the same attributes, the same values), about 2.6k of the
+17.8k host instructions a hook cost (bench/NOTES.md v35); the first hook of each backward or phase, and any
+other state, makes the calls.
 A z3 leaf module's hook (`reduce_leaf_module_grads`: a full backward hook that gives each of its parameters
 without a gradient, an expert no token reached, zeros and reduces them all) is replaced the same way: the same
 calls in the same order, the zeros made as stock makes them, the notes without stock's two delegating calls per
@@ -48,8 +53,10 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
 
     def hook(*_):
         hooks = private.backward_hook_state(optimizer)
-        refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
-        hooks.reenter_backward_if_needed()
+        routine = private.routine_hook(hooks)  # [Note: routine gradient hook]
+        if not routine:
+            refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
+            hooks.reenter_backward_if_needed()
         if zero_missing:  # (stock makes them also inside coalesce_grad_reduction)
             for param in params:
                 if param.grad is None:
@@ -61,6 +68,9 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
             note = reducer.note if reducer else optimizer.reduce_independent_p_g_buckets_and_remove_grads
             for param in params:
                 note(param)
+        if routine:
+            private.count_routine_hook(hooks)
+            return
         if refresh:
             expected = stage3.count_used_parameters_in_backward(counted) + leaf_modules
         else:

@@ -194,13 +194,24 @@ def register(offload, module):
                 _dangling(m, returned)
         offload.param_coordinator.release_sub_module(m, grad_enabled(), args, outputs, raised)
 
+    Tensor = torch.Tensor
+
     def _member_forward(forward, *args, **kwargs):
         # A group member's call while its group is open, in place of its two hooks ([Note: member hooks] in
-        # lifted.py): the pre-forward hook's input boundary, in grad mode
-        if grad_enabled() and args:
-            with_boundary = _input_boundary(args, boundary)
-            if with_boundary is not None:
-                args = with_boundary
+        # lifted.py): the pre-forward hook's input boundary, in grad mode. Most members take one tensor: its
+        # boundary inline (this runs for every member of every block).
+        if args and grad_enabled():
+            if len(args) == 1 and isinstance(args[0], Tensor):
+                x = args[0]
+                if x.requires_grad:
+                    out = boundary(x)
+                    if hasattr(x, "ds_id"):
+                        out.ds_param_alias = x
+                    return forward(out, **kwargs)
+            else:
+                with_boundary = _input_boundary(args, boundary)
+                if with_boundary is not None:
+                    args = with_boundary
         return forward(*args, **kwargs)
 
     lifted.member_boundary = _member_forward
