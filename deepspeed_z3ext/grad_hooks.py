@@ -15,7 +15,7 @@ applies) and the epilogue decision. What differs: no NVTX range named `reduce_pa
 in a profiler's timeline, and the reducer is read from the engine's state instead of through the seam.
 [Note: routine gradient hook] All but the first hook of a backward find the post-backward callback queued and
 no reentrant phase ending: there DeepSpeed's three calls on its hook state reduce to counting the hook
-(deepspeed_private.routine_hook, count_routine_hook: the same attributes, the same values), about 2.6k of the
+(deepspeed_private.routine_hook, count_routine_hook: the same attributes, the same values), about 2.5k of the
 17.8k host instructions a hook cost (bench/NOTES.md v35); the first hook of each backward or phase, and any
 other state, makes the calls.
 A z3 leaf module's hook (`reduce_leaf_module_grads`: a full backward hook that gives each of its parameters
