@@ -69,7 +69,18 @@ def same_as_stock(dtype, hpz=False):
                 masters=[n for n in s["masters"] if not np.array_equal(s["masters"][n], z["masters"][n])])
 
 
-@pytest.mark.parametrize("dtype,world", [("bf16", 2), ("fp16", 2), ("bf16-hpz", 4)])
+def _fp16_refused_on_cpu() -> bool:
+    """DeepSpeed's CPU accelerator refuses an fp16 config where oneDNN has no fp16 (`is_fp16_supported`: AMD EPYC
+    hosts, for one), at `deepspeed.initialize`, stock and z3ext alike."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    return acc.device_name() == "cpu" and not acc.is_fp16_supported()
+
+
+_NO_FP16 = pytest.mark.skipif(_fp16_refused_on_cpu(), reason="DeepSpeed refuses fp16 on this CPU (oneDNN without fp16)")
+
+
+@pytest.mark.parametrize("dtype,world", [("bf16", 2), pytest.param("fp16", 2, marks=_NO_FP16), ("bf16-hpz", 4)])
 def test_partition_is_the_master_bitwise_equal_to_stock(dtype, world):
     hpz = dtype.endswith("-hpz")
     results = run_on_ranks(same_as_stock, world_size=world, timeout=420, dtype=dtype.split("-")[0], hpz=hpz)
