@@ -206,7 +206,7 @@ def register(offload, module):
                 if x.requires_grad:
                     out = boundary(x)
                     if hasattr(x, "ds_id"):
-                        out.ds_param_alias = x
+                        out.ds_param_alias = x  # as _boundary does
                     return forward(out, **kwargs)
             else:
                 with_boundary = _input_boundary(args, boundary)
