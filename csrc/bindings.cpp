@@ -5,6 +5,7 @@
 #include "backward_count.h"
 #include "boundary.h"
 #include "engine.h"
+#include "linear.h"
 #include "oom.h"
 #include "reduce.h"
 
@@ -20,6 +21,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   m.def("input_boundary", &input_boundary, py::arg("tensor"));
+  // [Note: grad-mode linear] in deepspeed_z3ext/linear.py: None where stock's Function must run
+  m.def(
+      "zero_linear",
+      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) -> py::object {
+        at::Tensor out = ZeroLinear::maybe_apply(input, weight, bias);
+        if (!out.defined()) return py::none();
+        return py::cast(out);
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("set_linear_released_backward", [](py::object fn) { linear_released_backward() = std::move(fn); });
   m.def("count_used_in_backward", &count_used_in_backward, py::arg("params"));  // [Note: backward hook count]
   m.def(
       "reduce_scatter_grads",

@@ -9,29 +9,74 @@ Function's own `forward` (the same ops: `addmm` for a 2-D input with a bias, els
 added in place), so the result is the same bits. The same holds for a weight that is no ZeRO-3 parameter at
 all: DeepSpeed's replacement of `F.linear` persists for the whole process once `deepspeed.zero.Init` has run,
 so a plain model beside the engine (a reference or reward model, generation's unsharded baseline) pays the
-Function for every linear too. With grad mode on, for a stock engine's parameter and for a subclass,
-DeepSpeed's `apply` runs as before.
+Function for every linear too. For a stock engine's parameter and for a subclass, DeepSpeed's `apply` runs as before.
+
+[Note: grad-mode linear] With grad mode on, the same Function costs a linear layer far more than its ops:
+`apply` (Python up to torch 2.13, with the binding above), `setup_context` (the accelerator, the autocast
+state, the saved tensors) and, in backward, a Python method under a `torch.autocast` context that takes the
+GIL for every linear node: on the 2-core VM about 50 us of host time per forward call of an 8x64 linear
+against F.linear's 5.5. For a z3ext weight (or none of ZeRO's) that is a plain tensor, in eager, the node is
+csrc/linear.h's `ZeroLinear`: the Function's ATen calls in the same order, forward and backward, so the same
+bits as stock's, in one C++ call. Stock's Function still runs where its bookkeeping could differ: autocast on
+for the inputs' device (its backward replays the forward's autocast state; the node's backward runs with
+autocast off, which is stock's state when the forward had none), tensors a functorch transform, a Python
+dispatch key or a torch function mode would see, a tensor subclass, and code Dynamo traces. A weight that is
+released when its node runs (DeepSpeed's Function gathers it and releases it after) goes to stock's backward
+itself (`released_backward`).
 """
 import inspect
+from types import SimpleNamespace
 
 import torch
 
 from deepspeed_z3ext.state import STATE_ATTR
 
 
-def no_grad_apply(_stock):
-    """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut."""
+def stock_apply_seam(_stock):
+    """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut and the grad-mode node."""
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as owner
+    from deepspeed_z3ext._ops import ops
     forward = owner.forward
     # torch's `Function.apply` as the class holds it (a Python classmethod up to torch 2.13, a C one
     # after), bound below to whichever class calls: a subclass keeps its own `cls`.
     descriptor = inspect.getattr_static(owner, "apply")
     grad_enabled = torch.is_grad_enabled
+    compiling = torch.compiler.is_compiling
+    function_mode = torch._C._is_torch_function_mode_enabled
+    Tensor, Parameter = torch.Tensor, torch.nn.Parameter
+    zero_linear = None
 
     def apply(cls, *args, **kwargs):
-        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not grad_enabled() and (
+        nonlocal zero_linear
+        if cls is owner and not kwargs and 2 <= len(args) <= 3 and (
                 hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):  # a z3ext weight, or none of ZeRO's
-            return forward(*args)
+            if not grad_enabled():
+                return forward(*args)
+            # [Note: grad-mode linear]: plain tensors (a subclass's __torch_function__ would not see C++'s ops),
+            # eager, no torch function mode; the node declines autocast and wrapped tensors itself.
+            bias = args[2] if len(args) == 3 else None
+            if type(args[0]) is Tensor and type(args[1]) in (Parameter, Tensor) and (
+                    bias is None or type(bias) in (Parameter, Tensor)) and not compiling() and not function_mode():
+                if zero_linear is None:
+                    zero_linear = _load(ops())
+                out = zero_linear(args[0], args[1], bias)
+                if out is not None:
+                    return out
         return descriptor.__get__(None, cls)(*args, **kwargs)
 
     return classmethod(apply)
+
+
+def _load(ops):
+    ops.set_linear_released_backward(released_backward)
+    return ops.zero_linear
+
+
+def released_backward(grad_output, input, weight, bias, needs_input_grad):
+    """Stock's backward for a ZeroLinear node whose weight is empty when it runs (csrc/linear.h): DeepSpeed's
+    own code, which gathers a released weight and releases it after, with the forward's autocast state (off)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3, _get_autocast_dtype
+    ctx = SimpleNamespace(saved_tensors=(input, weight, bias), needs_input_grad=needs_input_grad,
+                          _fwd_used_autocast=False, _dtype=_get_autocast_dtype(get_accelerator().device_name()))
+    return tuple(LinearFunctionForZeroStage3.backward(ctx, grad_output))

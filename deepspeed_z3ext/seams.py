@@ -148,9 +148,9 @@ def _table():
              "gradient's copy too ([Note: fused unscale])"),
         Seam(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", norm.get_norm_groups,
              "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
-        Seam(LinearFunctionForZeroStage3, "apply", linear.no_grad_apply,
-             "memory_efficient_linear under no_grad on a z3ext weight runs its forward without autograd's "
-             "per-call binding ([Note: no_grad linear])"),
+        Seam(LinearFunctionForZeroStage3, "apply", linear.stock_apply_seam,
+             "memory_efficient_linear on a z3ext weight: under no_grad its forward without autograd's per-call "
+             "binding ([Note: no_grad linear]), in grad mode its ops as one C++ node ([Note: grad-mode linear])"),
         Seam(stage3, "count_used_parameters_in_backward", grads.count_used_parameters,
              "the gradient hooks' count of the parameters a backward reaches, in one C++ call "
              "([Note: backward hook count])"),

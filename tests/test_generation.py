@@ -237,12 +237,14 @@ def test_a_budget_bounds_what_the_ranks_hold(runs):
 
 
 def mel_no_grad():
-    """DeepSpeed's memory-efficient linear on, stock and z3ext engines: no_grad forwards and greedy tokens, and
-    how often the Function's setup_context ran ([Note: no_grad linear])."""
+    """DeepSpeed's memory-efficient linear on, stock and z3ext engines: no_grad forwards and greedy tokens, two
+    training steps, and how often the Function's setup_context ran ([Note: no_grad linear], [Note: grad-mode
+    linear])."""
+    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as F
-    from tests.models import build_engine, ds_config
+    from tests.models import build_engine, ds_config, full_params
     rank, out = dist.get_rank(), {}
     calls = [0]
     setup = F.__dict__["setup_context"]
@@ -251,7 +253,15 @@ def mel_no_grad():
         calls[0] += 1
         return setup.__func__(ctx, inputs, output)
 
+    backward = F.__dict__["backward"]
+    backward_calls = [0]
+
+    def counted_backward(ctx, grad_output):
+        backward_calls[0] += 1
+        return backward.__func__(ctx, grad_output)
+
     F.setup_context = staticmethod(counted)  # observes DeepSpeed's Function; z3ext's seam is on `apply`
+    F.backward = staticmethod(counted_backward)
     try:
         for name in ("stock", "z3ext"):
             cfg = ds_config(z3ext=name == "z3ext", persistence=0, mel=True, ga=1,
@@ -263,9 +273,23 @@ def mel_no_grad():
             no_grad_calls = calls[0]
             tokens, scores = _generate(engine, _prompt(rank, 4))
             calls[0] = 0
-            engine(input_ids=_prompt(rank, 5)).logits.sum()
+            losses = []
+            for step in range(2):  # the second step's forward runs on weights the first step's gradients moved
+                loss = engine(input_ids=_prompt(rank, 5 + step)).logits.float().pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+            # A weight released by the time its node runs: stock's backward gathers it, computes, releases it.
+            weight = engine.module.model.layers[0].mlp.gate_proj.weight
+            x = torch.randn(3, weight.ds_shape[1], generator=torch.Generator().manual_seed(rank), requires_grad=True)
+            with deepspeed.zero.GatheredParameters([weight]):
+                y = F.apply(x, weight, None)
+            released = weight.numel() == 0
+            backward_calls[0] = 0
+            grad_x, = torch.autograd.grad(y.pow(2).sum(), x)
             out[name] = dict(logits=logits, tokens=tokens, scores=scores, no_grad_calls=no_grad_calls,
-                             grad_calls=calls[0])
+                             grad_calls=calls[0], losses=losses, params=full_params(engine),
+                             released=(released, weight.numel() == 0, backward_calls[0]), grad_x=grad_x)
             engine.destroy()
         # A plain model in the same process (F.linear is DeepSpeed's from here on): no_grad skips the Function, with
         # the bits of a grad-mode forward, which runs it.
@@ -279,22 +303,31 @@ def mel_no_grad():
         plain_calls.append(calls[0] - plain_calls[0])
     finally:
         F.setup_context = staticmethod(setup.__func__) if isinstance(setup, staticmethod) else setup
+        F.backward = backward
     s, z = out["stock"], out["z3ext"]
     return dict(logits=torch.equal(s["logits"], z["logits"]), tokens=torch.equal(s["tokens"], z["tokens"]),
                 scores=all(torch.equal(a, b) for a, b in zip(s["scores"], z["scores"])),
+                losses=all(torch.equal(a, b) for a, b in zip(s["losses"], z["losses"])),
+                released={n: r["released"] for n, r in out.items()}, grad_x=torch.equal(s["grad_x"], z["grad_x"]),
+                params=s["params"].keys() == z["params"].keys() and all(
+                    torch.equal(v, z["params"][k]) for k, v in s["params"].items()),
                 calls={n: (r["no_grad_calls"], r["grad_calls"]) for n, r in out.items()},
                 plain=torch.equal(plain_no_grad, plain_grad), plain_calls=plain_calls,
                 linear_replaced=torch.nn.functional.linear.__name__)
 
 
-def test_no_grad_memory_efficient_linear_is_stocks_bits_without_autograd():
+def test_memory_efficient_linear_is_stocks_bits_without_its_python_function():
     for rank, r in enumerate(run_on_ranks(mel_no_grad, timeout=300)):
         assert r["logits"] and r["tokens"] and r["scores"], (rank, r)
+        assert r["losses"] and r["params"], (rank, r)  # grad mode: csrc/linear.h's node, stock's bits
         assert r["calls"]["z3ext"][0] == 0 and r["calls"]["stock"][0] > 0, r["calls"]  # no autograd in no_grad
-        assert r["calls"]["z3ext"][1] == r["calls"]["stock"][1] > 0, r["calls"]  # grad mode: DeepSpeed's apply
-        # A plain model beside them: DeepSpeed's linear (F.linear replaced), no Function in no_grad, the same bits.
+        assert r["calls"]["z3ext"][1] == 0 and r["calls"]["stock"][1] > 0, r["calls"]  # nor DeepSpeed's Function
+        # A weight released before its node's backward: stock's backward, which gathers and releases it, once.
+        assert r["released"] == {"stock": (True, True, 1), "z3ext": (True, True, 1)} and r["grad_x"], r
+        # A plain model beside them: DeepSpeed's linear (F.linear replaced), its ops without the Function, the same
+        # bits in no_grad and grad mode.
         assert r["linear_replaced"] == "zero3_linear_wrap" and r["plain"], r
-        assert r["plain_calls"][0] == 0 and r["plain_calls"][1] > 0, r["plain_calls"]
+        assert r["plain_calls"] == [0, 0], r["plain_calls"]
 
 
 def budget_from_memory(rank1_free=None):
