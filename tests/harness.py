@@ -1,4 +1,4 @@
-"""Runs a function on N real ranks (spawned processes, gloo on CPU or NCCL on GPUs).
+"""Runs a function on N real ranks (processes of their own, gloo on CPU or NCCL on GPUs).
 
 [Note: ranks on one GPU] NCCL refuses two ranks on one GPU, but gloo moves CUDA tensors between processes on
 it. With `Z3EXT_RANKS_ON_ONE_GPU=N` (bench/device_run.sh ranks-on-one-gpu), a test that asks for NCCL ranks
@@ -9,6 +9,14 @@ rank computes on.
 
 A rank that raises fails the test with its traceback; a rank that hangs is killed at the timeout,
 so a collective mismatch shows up as a named failure, never as a hung CI job.
+
+[Note: rank processes] CPU ranks (gloo, with `DS_ACCELERATOR=cpu` in the test process) are forks of a fork
+server that imported torch, DeepSpeed and transformers once per test session, not new interpreters that import
+them again: 1.7-2.7 s of CPU per rank, most of what a short test costs on 2 cores. The server holds those imports
+and nothing else (no process group, engine, seam or ops), so each run starts as clean as a spawned one; a rank
+takes the test process's environment as it is at the call (the imported modules read theirs when the session's
+first run started the server). GPU ranks are spawned (nothing that touched CUDA is forked), and so is every rank
+with `Z3EXT_TEST_SPAWN=1`.
 
 The ranks meet through a file store in a fresh temporary folder (`init_method="file://..."`), not a
 TCP port: picking a free port and binding it later in the ranks raced with other processes
@@ -43,7 +51,21 @@ def rank_device(rank) -> str:
     return "cuda:0" if ranks_on_one_gpu() else f"cuda:{rank}"
 
 
-def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout=None):
+_PRELOAD = ["torch", "deepspeed", "transformers"]  # [Note: rank processes]
+
+
+def _context(backend):
+    if backend == "gloo" and os.environ.get("DS_ACCELERATOR") == "cpu" and os.environ.get("Z3EXT_TEST_SPAWN") != "1":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the first run starts the server
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _worker(rank, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout=None, env=None):
+    if env is not None:  # the test process's environment now ([Note: rank processes])
+        os.environ.clear()
+        os.environ.update(env)
     import faulthandler
     faulthandler.enable()  # a crash prints its Python stack
     faulthandler.dump_traceback_later(max(timeout - 15, 5), exit=False)  # a hang prints its stacks
@@ -96,13 +118,13 @@ def run_on_ranks(fn, world_size=2, backend="gloo", timeout=300, pg_timeout=None,
     timeout in seconds (default: torch's)."""
     if backend == "nccl" and world_size == 2 and ranks_on_one_gpu():
         world_size = ranks_on_one_gpu()  # [Note: ranks on one GPU]: "two GPUs" means N ranks there
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="z3ext-rdzv-")
     store_file = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout),
-                    daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, store_file, backend, fn, kwargs, queue, timeout, pg_timeout,
+                                          dict(os.environ)), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
