@@ -194,7 +194,9 @@ if [[ $what == simworld-ab ]]; then
   # Simulated worlds (SIMAB_WORLDS, default "8"): main against the package in .before, unsharded and z3ext in each
   # process, alternated processes (SIMAB_RUNS per package, shape and world, default 2) on the 0.47B and the 0.94B GPT
   # (SIMAB_SHAPES: narrow, 0.94B, moe); ops as in world1-ab. A process starts only while 60 s of SIMAB_BUDGET
-  # (default 570, from this script's start) are left. Table: bench/simworld/ab.py, every process's result in $LOG.
+  # (default 570, from this script's start) are left. SIMAB_SYSTEM (default z3ext; z3ext-mel: DeepSpeed's default
+  # memory_efficient_linear) is the system beside the unsharded model. Table: bench/simworld/ab.py, every process's
+  # result in $LOG.
   wait "$simworld_build" || { cat "$LOG/simworld-build.log"; exit 1; }
   PYTHONPATH=/tmp/site:$PWD/.before:$PWD TORCH_EXTENSIONS_DIR=/tmp/z3ext-ext-before \
     python3 -c "from deepspeed_z3ext._ops import ops; ops(); print('ops of .before built')" || exit 1
@@ -210,7 +212,7 @@ if [[ $what == simworld-ab ]]; then
         echo "## simulated world $world, $shape GPT, package: $pkg"
         mkdir -p bench/out
         PYTHONPATH=/tmp/site:${src:+$src:}$PWD TORCH_EXTENSIONS_DIR=$ext timeout -k 5 $((left < 150 ? left : 150)) \
-          python3 bench/gather_release.py --sim-world "$world" $args --systems unsharded,z3ext --rounds 2 --steps 4 \
+          python3 bench/gather_release.py --sim-world "$world" $args --systems unsharded,${SIMAB_SYSTEM:-z3ext} --rounds 2 --steps 4 \
           --warmup 2 --out bench/out/simab-$shape-w$world-$pkg-$k.json 2>&1 | grep -v Warning | sed -n '/z3ext\/unsharded/p'
         cp bench/out/simab-$shape-w$world-$pkg-$k.json "$LOG/" 2>/dev/null
       done

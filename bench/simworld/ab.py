@@ -30,15 +30,17 @@ def main(paths):
         if not m:
             continue
         s = json.loads(p.read_text())["systems"]
-        if "z3ext" in s and "unsharded" in s:
-            runs[m["shape"], int(m["world"]), m["pkg"]].append(s)
-    print("| shape | world | package | processes | z3ext / unsharded: step | fwd | bwd | z3ext step ms | unsharded step ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (shape, world, pkg), ss in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "before")):
-        r = {ph: [x["z3ext"][ph] / x["unsharded"][ph] for x in ss] for ph in ("step", "fwd", "bwd")}
-        print(f"| {shape} | {world} | {pkg} | {len(ss)} | {spread(r['step'], '{:.3f}')} | {spread(r['fwd'], '{:.3f}')} "
-              f"| {spread(r['bwd'], '{:.3f}')} | {spread([x['z3ext']['step'] for x in ss], '{:.1f}')} "
-              f"| {spread([x['unsharded']['step'] for x in ss], '{:.1f}')} |")
+        for name in s:  # z3ext, or the variant SIMAB_SYSTEM named (z3ext-mel)
+            if name != "unsharded" and "unsharded" in s:
+                runs[m["shape"], int(m["world"]), name, m["pkg"]].append((s[name], s["unsharded"]))
+    print("| shape | world | system | package | processes | system / unsharded: step | fwd | bwd | system step ms "
+          "| unsharded step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (shape, world, name, pkg), ss in sorted(runs.items(), key=lambda kv: (*kv[0][:3], kv[0][3] != "before")):
+        r = {ph: [x[ph] / u[ph] for x, u in ss] for ph in ("step", "fwd", "bwd")}
+        print(f"| {shape} | {world} | {name} | {pkg} | {len(ss)} | {spread(r['step'], '{:.3f}')} "
+              f"| {spread(r['fwd'], '{:.3f}')} | {spread(r['bwd'], '{:.3f}')} "
+              f"| {spread([x['step'] for x, _ in ss], '{:.1f}')} | {spread([u['step'] for _, u in ss], '{:.1f}')} |")
 
 
 if __name__ == "__main__":
