@@ -1,4 +1,5 @@
-"""DeepSpeed's memory-efficient linear without autograd's per-call cost where no graph is built.
+"""DeepSpeed's memory-efficient linear without its Python autograd Function: no Function where no graph is built,
+one C++ node where one is.
 
 [Note: no_grad linear] With `memory_efficient_linear` (DeepSpeed's default) every `F.linear` of the process
 is `LinearFunctionForZeroStage3.apply`: an autograd Function whose `apply` binds its arguments through
@@ -14,8 +15,8 @@ Function for every linear too. For a stock engine's parameter and for a subclass
 [Note: grad-mode linear] With grad mode on, the same Function costs a linear layer far more than its ops:
 `apply` (Python up to torch 2.13, with the binding above), `setup_context` (the accelerator, the autocast
 state, the saved tensors) and, in backward, a Python method under a `torch.autocast` context that takes the
-GIL for every linear node: on the 2-core VM about 50 us of host time per forward call of an 8x64 linear
-against F.linear's 5.5. For a z3ext weight (or none of ZeRO's) that is a plain tensor, in eager, the node is
+GIL for every linear node: on the 2-core VM an 8x64 linear took 30.6 us of host time in forward against
+F.linear's 5.3, 135 against 66 in forward and backward (bench/NOTES.md v36). For a z3ext weight (or none of ZeRO's) that is a plain tensor, in eager, the node is
 csrc/linear.h's `ZeroLinear`: the Function's ATen calls in the same order, forward and backward, so the same
 bits as stock's, in one C++ call. Stock's Function still runs where its bookkeeping could differ: autocast on
 for the inputs' device (its backward replays the forward's autocast state; the node's backward runs with
