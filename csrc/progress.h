@@ -78,8 +78,10 @@ class Progress {
         return;
       } catch (const std::exception&) {
         // Completed since the slice ran out (its "timed out" is stale), or failed (a closed connection): a
-        // wait without a timeout returns, or throws the collective's own error.
+        // wait without a timeout returns, or throws the collective's own error, unless the watchdog's verdict
+        // came first (a peer that raised it may have ended its process: [Note: verdict before exit]).
         if (work.isCompleted()) {
+          throw_if_aborted();
           work.wait();
           return;
         }

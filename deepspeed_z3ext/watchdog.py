@@ -93,7 +93,7 @@ class Watchdog:
                 logger.warning(message)
             self._inquiry += 1
             return
-        self._deliver(cls, message)
+        self._deliver(cls, message, key)
 
     def _exchange(self, key) -> Dict[int, dict]:
         issued, since, records = self.progress.snapshot()
@@ -118,14 +118,22 @@ class Watchdog:
             frame = frame.f_back
         return ", called from ".join(out) or "outside Python code"
 
-    def _deliver(self, cls, message):
+    def _deliver(self, cls, message, key):
         from deepspeed.utils import logger
         self.verdict = message
         logger.error(message)
         error = _bound(cls, message)
         waiting = any(r[7] == _WAITING for r in self.progress.snapshot()[2])
         self.progress.abort(error, message)  # a host wait raises it, so does every later collective
+        self._store.set(f"{key}/delivered/{self.rank}", "1")
         if not waiting:  # the training thread is outside z3ext's collectives: raised at its next bytecode
+            # [Note: verdict before exit] once every rank holds the verdict: raised here first, this rank's
+            # process may end at once, and a rank still waiting in a collective with it would see its connection
+            # close (gloo's error) before its own watchdog delivered the named one.
+            deadline = time.monotonic() + self.answer
+            keys = [f"{key}/delivered/{r}" for r in range(self.world)]
+            while not self._store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.02)
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), ctypes.py_object(error))
         if dist.get_backend(self.group) == "nccl" and hasattr(self.group, "abort"):
             try:  # a host blocked on the device (a stuck NCCL kernel) returns
