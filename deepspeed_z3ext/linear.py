@@ -12,18 +12,19 @@ all: DeepSpeed's replacement of `F.linear` persists for the whole process once `
 so a plain model beside the engine (a reference or reward model, generation's unsharded baseline) pays the
 Function for every linear too. For a stock engine's parameter and for a subclass, DeepSpeed's `apply` runs as before.
 
-[Note: grad-mode linear] With grad mode on, the same Function costs a linear layer far more than its ops:
-`apply` (Python up to torch 2.13, with the binding above), `setup_context` (the accelerator, the autocast
-state, the saved tensors) and, in backward, a Python method under a `torch.autocast` context that takes the
-GIL for every linear node: on the 2-core VM an 8x64 linear took 30.6 us of host time in forward against
-F.linear's 5.3, 135 against 66 in forward and backward (bench/NOTES.md v36). For a z3ext weight (or none of ZeRO's) that is a plain tensor, in eager, the node is
-csrc/linear.h's `ZeroLinear`: the Function's ATen calls in the same order, forward and backward, so the same
-bits as stock's, in one C++ call. Stock's Function still runs where its bookkeeping could differ: autocast on
-for the inputs' device (its backward replays the forward's autocast state; the node's backward runs with
-autocast off, which is stock's state when the forward had none), tensors a functorch transform, a Python
-dispatch key or a torch function mode would see, a tensor subclass, and code Dynamo traces. A weight that is
-released when its node runs (DeepSpeed's Function gathers it and releases it after) goes to stock's backward
-itself (`released_backward`).
+[Note: grad-mode linear] With grad mode on, the same Function costs a linear layer far more than its ops: `apply`
+(Python up to torch 2.13, with the binding above), `setup_context` (the accelerator, the autocast state, the saved
+tensors) and, in backward, a Python method under a `torch.autocast` context that takes the GIL for every linear
+node: on the 2-core VM an 8x64 linear took 30.6 us of host time in forward against F.linear's 5.3, 135 against 66
+in forward and backward (bench/NOTES.md v36). For a z3ext weight (a plain Parameter), plain inputs, in eager, the
+node is csrc/linear.h's `ZeroLinear`: the Function's ATen calls in the same order, forward and backward, so the
+same bits as stock's, in one C++ call. Stock's Function still runs where its bookkeeping could differ: autocast on
+for the inputs' device (its backward replays the forward's autocast state; the node's backward runs with autocast
+off, which is stock's state when the forward had none), tensors a functorch transform, a Python dispatch key or a
+torch function mode would see, a tensor subclass, code Dynamo traces, and a weight that is no z3ext parameter (a
+plain model's keeps the Function its graph names: DeepSpeed's own tests look for it). A weight that is released
+when its node runs (DeepSpeed's Function gathers it and releases it after) goes to stock's backward itself
+(`released_backward`).
 """
 import inspect
 from types import SimpleNamespace
@@ -53,10 +54,10 @@ def stock_apply_seam(_stock):
                 hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):  # a z3ext weight, or none of ZeRO's
             if not grad_enabled():
                 return forward(*args)
-            # [Note: grad-mode linear]: plain tensors (a subclass's __torch_function__ would not see C++'s ops),
-            # eager, no torch function mode; the node declines autocast and wrapped tensors itself.
+            # [Note: grad-mode linear]: a z3ext weight, plain tensors (a subclass's __torch_function__ would not see
+            # C++'s ops), eager, no torch function mode; the node declines autocast and wrapped tensors itself.
             bias = args[2] if len(args) == 3 else None
-            if type(args[0]) is Tensor and type(args[1]) in (Parameter, Tensor) and (
+            if type(args[0]) is Tensor and type(args[1]) is Parameter and hasattr(args[1], STATE_ATTR) and (
                     bias is None or type(bias) in (Parameter, Tensor)) and not compiling() and not function_mode():
                 if zero_linear is None:
                     zero_linear = _load(ops())

@@ -324,10 +324,10 @@ def test_memory_efficient_linear_is_stocks_bits_without_its_python_function():
         assert r["calls"]["z3ext"][1] == 0 and r["calls"]["stock"][1] > 0, r["calls"]  # nor DeepSpeed's Function
         # A weight released before its node's backward: stock's backward, which gathers and releases it, once.
         assert r["released"] == {"stock": (True, True, 1), "z3ext": (True, True, 1)} and r["grad_x"], r
-        # A plain model beside them: DeepSpeed's linear (F.linear replaced), its ops without the Function, the same
-        # bits in no_grad and grad mode.
+        # A plain model beside them: DeepSpeed's linear (F.linear replaced), no Function in no_grad, the same bits;
+        # in grad mode DeepSpeed's Function (its graph names it).
         assert r["linear_replaced"] == "zero3_linear_wrap" and r["plain"], r
-        assert r["plain_calls"] == [0, 0], r["plain_calls"]
+        assert r["plain_calls"][0] == 0 and r["plain_calls"][1] > 0, r["plain_calls"]
 
 
 def budget_from_memory(rank1_free=None):
