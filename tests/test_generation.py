@@ -377,3 +377,34 @@ def test_generation_budget_from_memory_is_the_ranks_smallest():
     kept = [r["sized"]["kept"] for r in results]
     assert kept[0] == kept[1] and 0 < kept[0] <= total // 6, kept
     assert all(r["sized"]["tokens"] == r["live-set"]["tokens"] for r in results)  # what is kept changes no token
+
+
+@pytest.mark.gpus(1)
+def test_grad_mode_linear_node_is_stocks_bits_on_cuda():
+    """[Note: grad-mode linear] on the GPU: csrc/linear.h's node against DeepSpeed's Function itself (its torch
+    `apply`, past z3ext's seam), outputs and every gradient bitwise, fp32 and bf16, 2-D, 3-D and 1-D inputs."""
+    import inspect
+    import torch
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as F
+    from deepspeed_z3ext import linear
+    from deepspeed_z3ext._ops import ops
+    node = linear._load(ops())
+    stock = inspect.getattr_static(torch.autograd.Function, "apply").__get__(None, F)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(8, 64), (2, 5, 64), (64, )]:
+            for with_bias in (True, False):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+                w = torch.randn(32, 64, device="cuda", dtype=dtype, generator=g)
+                b = torch.randn(32, device="cuda", dtype=dtype, generator=g) if with_bias else None
+                results = []
+                for apply in (stock, node):
+                    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+                    bs = b.clone().requires_grad_() if b is not None else None
+                    y = apply(xs, ws, bs)
+                    y.backward(torch.randn(y.shape, device="cuda", dtype=dtype,
+                                           generator=torch.Generator(device="cuda").manual_seed(1)))
+                    results.append([y, xs.grad, ws.grad] + ([bs.grad] if bs is not None else []))
+                assert type(results[1][0].grad_fn).__name__ != type(results[0][0].grad_fn).__name__  # two paths
+                for a, c in zip(*results):
+                    assert torch.equal(a, c), (dtype, shape, with_bias)
