@@ -18,6 +18,10 @@
 #include <unordered_set>
 #include <vector>
 
+#include <cstring>
+#include <string>
+#include <typeinfo>
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -46,6 +50,41 @@ inline std::optional<int64_t> count_used_in_backward(const std::vector<at::Tenso
     if (in_graph->count(const_cast<torch::autograd::Node*>(node))) ++used;
   }
   return used;
+}
+
+// [Note: gradients this backward will not deliver] (grads.py [Note: fixed gradient layout]) Which of `params`
+// (each a leaf parameter) the running backward cannot reach: their indices, and whether the graph holds a
+// node that may run a backward of its own (a reentrant checkpoint: `CheckpointFunction`, torch's or
+// DeepSpeed's), whose parameters are in no graph until it runs. A parameter without an AccumulateGrad,
+// or whose AccumulateGrad is not in the graph, gets no gradient in this graph task. nullopt for a backward
+// restricted to some inputs (`exec_info` not empty), where the graph alone does not decide.
+struct Unreached {
+  std::vector<int64_t> indices;
+  bool reentrant = false;
+};
+
+inline std::optional<Unreached> unreached_in_backward(const std::vector<at::Tensor>& params) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (exec_info == nullptr || in_graph == nullptr)
+    throw std::runtime_error("unreached_in_backward must be called during backward execution");
+  if (!exec_info->empty()) return std::nullopt;
+  Unreached out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    auto acc = p.defined() ? torch::autograd::impl::try_get_grad_accumulator(p) : nullptr;
+    if (acc == nullptr || !in_graph->count(acc.get())) out.indices.push_back(static_cast<int64_t>(i));
+  }
+  for (auto* node : *in_graph) {
+    // A Python autograd Function's node (torch::autograd::PyNode, whose type information libtorch_python does
+    // not export): its name, which costs a demangling on C++ nodes, is asked of those alone.
+    if (std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") != 0) continue;
+    if (node->name().find("CheckpointFunction") != std::string::npos) {
+      out.reentrant = true;
+      break;
+    }
+  }
+  return out;
 }
 
 }  // namespace z3ext

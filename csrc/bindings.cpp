@@ -32,6 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("set_linear_released_backward", [](py::object fn) { linear_released_backward() = std::move(fn); });
   m.def("count_used_in_backward", &count_used_in_backward, py::arg("params"));  // [Note: backward hook count]
+  m.def(  // [Note: gradients this backward will not deliver]
+      "unreached_in_backward",
+      [](const std::vector<at::Tensor>& params) -> py::object {
+        auto r = unreached_in_backward(params);
+        if (!r) return py::none();
+        return py::make_tuple(r->indices, r->reentrant);
+      },
+      py::arg("params"));
   m.def(
       "reduce_scatter_grads",
       [](const ReduceScatterFn& collective, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& dests,

@@ -35,12 +35,11 @@ from deepspeed.utils import z3_leaf_parameter
 
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.errors import Z3extError
-from deepspeed_z3ext.grads import reducer_of
+from deepspeed_z3ext.grads import reducer_of, stock_path_reason
 from deepspeed_z3ext.state import of_optimizer
 
 
 _NO_HOOKS = collections.OrderedDict()  # what a conditional parameter's placeholder handle removes from
-
 
 def _hooked_params(optimizer):
     """The parameters stock hooked, in the order it appended their handles to `_grad_acc_hooks`."""
@@ -57,17 +56,21 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
         if not routine:
             refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
             hooks.reenter_backward_if_needed()
-        if zero_missing:  # (stock makes them also inside coalesce_grad_reduction)
+        reducer = state.grad_reducer
+        if reducer is None:  # the first gradient of the engine decides z3ext's path or DeepSpeed's
+            reducer = reducer_of(optimizer, params[0])
+        if zero_missing and not reducer:  # (stock makes them also inside coalesce_grad_reduction)
             for param in params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
         if not optimizer._coalesce_grad_reduction:
-            reducer = state.grad_reducer
-            if reducer is None:  # the first gradient of the engine decides z3ext's path or DeepSpeed's
-                reducer = reducer_of(optimizer, params[0])
-            note = reducer.note if reducer else optimizer.reduce_independent_p_g_buckets_and_remove_grads
-            for param in params:
-                note(param)
+            if reducer:  # a leaf's parameter without a gradient is reduced as zeros ([Note: fixed gradient layout])
+                for param in params:
+                    if param.grad is not None:
+                        reducer.note(param)
+            else:
+                for param in params:
+                    optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
         if routine:
             private.count_routine_hook(hooks)
             return
@@ -94,7 +97,11 @@ def create_hooks(stock):
                              "non-leaf parameters; this DeepSpeed version hooks differently "
                              "(see deepspeed_private.TESTED_VERSIONS)")
         leaf_modules = len(self.leaf_parameters)
-        skipped = {id(p) for p in state.conditional_params}  # reduced at the epilogue ([Note: conditional modules])
+        # On DeepSpeed's gradient path a conditional module's parameters are reduced at the epilogue, zeros where
+        # it did not run (grads.note_conditional); z3ext's layout reduces a gradient that did not come as zeros
+        # itself, so there they keep their hooks ([Note: fixed gradient layout] in grads.py).
+        stock_path = stock_path_reason(self, state) is not None
+        skipped = {id(p) for p in state.conditional_params} if stock_path else set()
         counted = [p for p in params if id(p) not in skipped]
         for i, param in enumerate(params):
             handles[i].remove()

@@ -116,6 +116,8 @@ false`, AutoEP/AutoTP folding, an optimizer with parameters of no z3ext engine, 
 import collections
 import contextlib
 import operator
+import sys
+import threading
 import time
 import weakref
 from typing import NamedTuple, Optional
@@ -151,6 +153,9 @@ class GradReduceStats(NamedTuple):
     divided_after_reduce: int   # of reduce_scatters, those whose shard was divided after it ([Note: divide after the reduce])
     partition_writes: int  # tensors written into the partitions: consecutive ones as one run ([Note: partition runs] in csrc/reduce.h)
     partition_pieces: int  # partitions allocated by a flush while the buffer was freed ([Note: partitions as they reduce])
+    unreached: int        # gradients reduced as zeros: parameters a backward of this rank did not reach ([Note: fixed gradient layout])
+    deferred_ends: int    # passes whose last buckets were reduced after the backward (reentrant checkpoints)
+    arrival_ordered: bool  # the buckets follow the ranks' agreed arrival order (from the first step on)
 
 
 def stock_path_reason(optimizer, state) -> Optional[str]:
@@ -170,17 +175,40 @@ def stock_path_reason(optimizer, state) -> Optional[str]:
     return None
 
 
-class GradBucket:
-    """Gradients noted since the last flush: one process group, at most `reduce_bucket_size` elements
-    (a single larger gradient goes alone, as in stock)."""
+class GradLayout(NamedTuple):
+    """Every trainable parameter's place in the reduce-scatters ([Note: fixed gradient layout])."""
+    buckets: tuple   # lists of parameters, each in ds_id order (the collective's layout); buckets in flush order
+    bucket_of: dict  # ds_id -> index into `buckets`
+    params: list     # the parameters, flush order
+    key: tuple       # the trainable ds_ids it was made for, in the optimizer's order
 
-    __slots__ = ("params", "elements", "group", "ids")
 
-    def __init__(self):
-        self.params, self.elements, self.group, self.ids = [], 0, None, set()
+class GradPass:
+    """One backward pass's progress through the layout: which gradients arrived, which cannot come."""
 
-    def clear(self):
-        self.params, self.elements, self.group, self.ids = [], 0, None, set()
+    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate", "task")
+
+    def __init__(self, layout, accumulate, task):
+        self.waiting = [len(b) for b in layout.buckets]  # parameters of each bucket neither arrived nor unreached
+        self.next = 0            # the first bucket not reduced yet: buckets are reduced in order
+        self.arrived = set()     # ds_ids whose gradient was noted
+        self.unreached = set()   # ds_ids this backward cannot reach (exact passes only)
+        self.exact = False       # the pass ends at DeepSpeed's epilogue ([Note: fixed gradient layout])
+        self.accumulate = accumulate  # stock's `micro_step_id != 0` when the pass began
+        self.task = task         # the autograd graph task of its first gradient
+
+
+def _nested_backward() -> bool:
+    """Whether this code runs inside a backward that another backward's node started (a reentrant
+    checkpoint's recomputation): the autograd engine calls Python hooks with the caller's frames above."""
+    runs, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_engine_run_backward":
+            runs += 1
+        frame = frame.f_back
+    # An accelerator's autograd worker thread starts with no Python frame above its first hook.
+    worker = isinstance(threading.current_thread(), threading._DummyThread)
+    return runs >= (1 if worker else 2)
 
 
 class GradReducer:
@@ -188,7 +216,13 @@ class GradReducer:
 
     def __init__(self, optimizer, state):
         self._optimizer = weakref.ref(optimizer)
-        self.bucket = GradBucket()
+        self.layout: Optional[GradLayout] = None  # [Note: fixed gradient layout]
+        self._pass: Optional[GradPass] = None
+        self._arrival = {}  # ds_id -> position in this rank's first pass on a layout not yet ordered by arrivals
+        self._ordered = False  # the layout follows the ranks' agreed arrival order
+        self._agreement = state.agreement
+        self._n_unreached = 0
+        self._n_deferred = 0
         self.bucket_size = optimizer.reduce_bucket_size
         self.slice_numel = max(1, self.bucket_size // _SLICES)  # [Note: flush slices]
         self.comm_dtype = optimizer.communication_data_type
@@ -214,7 +248,6 @@ class GradReducer:
         self._pass_task = None  # its autograd graph task
         self._pass_accumulated = 0  # partitions it added to (gradient accumulation)
         self._free_partitions = state.config.free_grad_partitions  # [Note: gradient partitions between steps]
-        self._conditional = state.conditional_params  # [Note: conditional modules] in conditional.py
         self._state = weakref.ref(state)
         self._freed = None  # (the buffer's data_ptr, its bytes) while freed
         self._in_pieces = {}  # ds_id -> its view of the buffer, while its partition is in a piece ([Note: partitions as they reduce])
@@ -232,64 +265,142 @@ class GradReducer:
 
     def stats(self) -> GradReduceStats:
         return GradReduceStats(self._n_flushes, self._n_reduced, self._n_accumulating, self._host_s,
-                               self._n_views, self._n_unscales_skipped, self.bucket.elements, self._n_norms,
+                               self._n_views, self._n_unscales_skipped, self._pending_elements(), self._n_norms,
                                self._n_reduce_scatters, self._n_abandoned, self._n_freed, self._n_fused,
-                               self._n_direct, self._n_divided, self._n_writes, self._n_pieces)
+                               self._n_direct, self._n_divided, self._n_writes, self._n_pieces, self._n_unreached,
+                               self._n_deferred, self._ordered)
 
     def count_norm(self):
         """norm.py computed this step's gradient norm."""
         self._n_norms += 1
 
     def note(self, param):
-        """`reduce_independent_p_g_buckets_and_remove_grads`: flush first when `param` would take the
-        bucket past its size or into another group, then note its gradient."""
-        bucket = self.bucket
+        """`reduce_independent_p_g_buckets_and_remove_grads`: `param`'s gradient is in; the buckets whose
+        gradients are all in (or unreachable) are reduced, in the layout's order ([Note: fixed gradient layout])."""
         task = torch._C._current_graph_task_id()
         if task != self._pass_task and task != -1:  # the first gradient of this pass ([Note: failed pass])
             self._pass_task, self._pass_open = task, True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pass_done(task))
-        if param.ds_id in bucket.ids:
-            # Noted already and not reduced yet: a backward that raised part-way left it (its epilogue never
-            # ran) and a retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or
-            # its hook fired twice in one window: a weight shared by two reentrant-checkpointed segments). The
-            # bucket holds that tensor: the sum is reduced once (stock appends it twice and would trip its
-            # duplicate assertion at the flush). Checked before the flush decision, which would otherwise count
-            # it twice and reduce it (and set its `.grad` to None) before noting it again.
-            return
-        group = group_of(param)
-        if bucket.params and (bucket.group is not group or bucket.elements + param.ds_numel > self.bucket_size):
-            self.flush()
+        gpass = self._pass
+        if gpass is None:
+            gpass = self._begin(task)
+        ds_id = param.ds_id
+        if ds_id in gpass.arrived:
+            # Noted already in this pass: a backward that raised part-way left it (its epilogue never ran) and a
+            # retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or its hook fired
+            # twice: a weight shared by two reentrant-checkpointed segments). Its bucket is not reduced yet (it
+            # holds that tensor): the sum is reduced once.
+            if self.layout.bucket_of[ds_id] >= gpass.next:
+                return
         if not getattr(param, "ds_grad_is_ready", True):
             return  # a transient gradient of a tiled computation: stock skips it too
         grad = param.grad
         if grad is None or grad.numel() != param.ds_numel:
-            raise GradientError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {param.ds_id} "
+            raise GradientError(f"z3ext: cannot reduce-scatter the gradient of parameter ds_id {ds_id} "
                              f"(shape {tuple(param.ds_shape)}): it has "
                              f"{'no gradient' if grad is None else f'{grad.numel()} elements, not {param.ds_numel}'}")
-        bucket.params.append(param)
-        bucket.ids.add(param.ds_id)
-        bucket.elements += grad.numel()
-        bucket.group = group
+        index = self.layout.bucket_of.get(ds_id)
+        if index is None:
+            raise GradientError(f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got a gradient but "
+                                "was not trainable when this backward began (requires_grad set during backward?)")
+        if index < gpass.next or ds_id in gpass.arrived or ds_id in gpass.unreached:
+            raise GradientError(
+                f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got its gradient after its bucket was "
+                "reduced in this backward (as a gradient this backward could not reach): a node ran a backward of its "
+                "own that z3ext did not recognise as a reentrant checkpoint ([Note: fixed gradient layout] in "
+                "deepspeed_z3ext/grads.py)")
+        gpass.arrived.add(ds_id)
+        if self._arrival is not None and ds_id not in self._arrival:
+            self._arrival[ds_id] = len(self._arrival)
+        gpass.waiting[index] -= 1
+        if index == gpass.next and not gpass.waiting[index]:
+            self._advance(gpass)
+
+    def _begin(self, task) -> GradPass:
+        """The first gradient of a backward pass: the layout (re-made when the trainable parameters changed),
+        and which of them this backward cannot reach ([Note: fixed gradient layout])."""
+        optimizer = self._optimizer()
+        layout = self.layout
+        key = tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])
+        if layout is None or layout.key != key:
+            layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
+            self._ordered, self._arrival = False, {}
+        gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0, task)
+        unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
+        if unreached is not None and not unreached[1] and not _nested_backward():
+            gpass.exact = True
+            bucket_of, params, waiting = layout.bucket_of, layout.params, gpass.waiting
+            for i in unreached[0]:
+                ds_id = params[i].ds_id
+                gpass.unreached.add(ds_id)
+                waiting[bucket_of[ds_id]] -= 1
+        return gpass
+
+    def _advance(self, gpass, finish=False):
+        """Reduces the buckets from the first unreduced one on while each is complete (every bucket when
+        `finish`: gradients not in by now are zeros)."""
+        buckets = self.layout.buckets
+        while gpass.next < len(buckets) and (finish or not gpass.waiting[gpass.next]):
+            index = gpass.next
+            gpass.next += 1
+            self._flush(buckets[index], gpass)
+
+    def end_pass_at_epilogue(self):
+        """DeepSpeed's epilogue: where every gradient of this pass is in, its remaining buckets are reduced, zeros
+        for what did not come: in an exact pass, and after the backward returned (the engine's own call of the
+        epilogue, outside any graph task) in any pass."""
+        gpass = self._pass
+        if gpass is not None and (gpass.exact or torch._C._current_graph_task_id() == -1):
+            self._finish(gpass)
+
+    def end_backward(self):
+        """After a backward, the next forward, or at the step: a pass still open (reentrant checkpoints) is
+        finished ([Note: fixed gradient layout])."""
+        gpass = self._pass
+        if gpass is None or self._pass_open:
+            return
+        self._n_deferred += 1
+        self._finish(gpass)
+        if self._on_device:  # stock's epilogue synchronised the reduce stream before these flushes
+            self._optimizer().reduce_and_partition_stream.synchronize()
+
+    def _finish(self, gpass):
+        self._advance(gpass, finish=True)
+        self._pass = None
+
+    def _pending_elements(self) -> int:
+        gpass, layout = self._pass, self.layout
+        if gpass is None:
+            return 0
+        return sum(p.ds_numel for b in layout.buckets[gpass.next:] for p in b if p.ds_id in gpass.arrived)
+
+    def flush(self):
+        """Every bucket of the pass reduced now (DeepSpeed's epilogue in a pass that raised and was retried)."""
+        gpass = self._pass
+        if gpass is not None:
+            self._finish(gpass)
 
     @torch.no_grad()
-    def flush(self):
-        """Reduce-scatters the bucket into the optimizer's gradient partitions, releases the gradients."""
-        bucket = self.bucket
-        if not bucket.params:
-            return
+    def _flush(self, params, gpass):
+        """Reduce-scatters one bucket into the optimizer's gradient partitions, zeros for a parameter whose
+        gradient did not come, and releases the gradients."""
         t0 = time.perf_counter()
         optimizer = self._optimizer()
-        params = sorted(bucket.params, key=lambda p: p.ds_id)  # the same layout on every rank
-        bucket.clear()
         partitions = private.grad_partitions(optimizer)
         if self._freed is not None:  # on the compute stream, before the reduce stream waits for it
             self._add_pieces(partitions, params)  # [Note: partitions as they reduce]
+        arrived = gpass.arrived
+        zeros = {}
+        for p in params:
+            if p.ds_id not in arrived:
+                zeros[p.ds_id] = torch.zeros(p.ds_numel, dtype=p.dtype, device=p.ds_tensor.device)
+        self._n_unreached += len(zeros)
         group = group_of(params[0])
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
         averaging = optimizer._gradient_averaging_world_size(params, world)
         scale = world / float(averaging) if averaging != world else 0.0
-        accumulate = optimizer.micro_step_id != 0
+        accumulate = gpass.accumulate
         reduce_scatter = ops().reduce_scatter_grads
         divides = self._divide_after and comms.divides_after_reduce(world, self.comm_dtype)
         collective = comms.reduce_scatter_fn(group)
@@ -306,13 +417,13 @@ class GradReducer:
             stream.wait_stream(get_accelerator().current_stream())
         with get_accelerator().stream(stream) if self._on_device else contextlib.nullcontext():
             for part in _slices(params, self.slice_numel, world):  # [Note: flush slices]
-                grads = [p.grad for p in part]
+                grads = [zeros[p.ds_id] if p.ds_id in zeros else p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
                 try:
                     n, laid_out, writes = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype,
                                                          scale, accumulate, divides)
                 except BaseException:
-                    self._restore([p for p in params if p.grad is not None], group)  # [Note: failed pass]
+                    self._restore(gpass, params)  # [Note: failed pass]
                     raise
                 del grads
                 for p in part:  # (stock also records ds_ids for optimizer offload, which keeps stock's path)
@@ -407,15 +518,10 @@ class GradReducer:
         in_pieces.update(zip(ids, buffer_views))
         partitions.update(zip(ids, views))
 
-    def _restore(self, params, group):
-        """A flush raised: the gradients it had not written yet are the bucket again."""
-        bucket = self.bucket
-        for p in params:
-            if p.ds_id not in bucket.ids:
-                bucket.params.append(p)
-                bucket.ids.add(p.ds_id)
-                bucket.elements += p.ds_numel
-        bucket.group = group if bucket.params else None
+    def _restore(self, gpass, params):
+        """A flush raised: its bucket is unreduced again, and the pass is dropped at the next outermost forward
+        ([Note: failed pass])."""
+        gpass.next = self.layout.bucket_of[params[0].ds_id]
         self._pass_open = True  # raised in the epilogue, after the pass's own completion callback
 
     def _pass_done(self, task):
@@ -427,16 +533,14 @@ class GradReducer:
         self._pass_open, self._pass_task, self._pass_accumulated = False, None, 0
 
     def abandon_pass(self):
-        """An outermost forward starts outside backward ([Note: failed pass])."""
-        for p in self._conditional:  # gradients of a pass whose epilogue never ran ([Note: conditional modules])
-            p.grad = None
+        """An outermost forward starts outside backward ([Note: failed pass]): a pass that completed and left
+        buckets (reentrant checkpoints) is finished, one that raised is dropped."""
         if not self._pass_open:
+            self.end_backward()
             return
         optimizer = self._optimizer()
         micro_step = getattr(optimizer, "micro_step_id", None)
-        for p in self.bucket.params:
-            p.grad = None
-        self.bucket.clear()
+        self._drop_unreduced()
         self._n_abandoned += 1
         self._faults.note_fault()  # [Note: one-rank faults] in schedule.py
         if self._pass_accumulated:
@@ -445,6 +549,16 @@ class GradReducer:
                            f"they stay in the window's gradients (its other gradients were dropped). Call "
                            f"engine.zero_grad() to restart the window without them")
         self.end_pass()
+
+    def _drop_unreduced(self):
+        """The gradients of the pass's unreduced buckets are dropped, and the pass with them."""
+        gpass, self._pass = self._pass, None
+        if gpass is None:
+            return
+        for bucket in self.layout.buckets[gpass.next:]:
+            for p in bucket:
+                if p.ds_id in gpass.arrived:
+                    p.grad = None
 
     def step_gradient(self, optimizer, sub_group_id):
         """Sub-group `sub_group_id`'s gradient for the optimizer step without stock's flattening copy:
@@ -498,13 +612,58 @@ class GradReducer:
         return run
 
     def drop_stale(self):
-        """The optimizer step's start: gradients noted and never reduced are dropped, as stock clears
-        its buckets there (a reentrant-checkpoint backward can leave some)."""
-        for p in self.bucket.params:
-            p.grad = None
-        self.bucket.clear()
+        """The optimizer step's start: a pass that completed and left buckets is finished; gradients of a pass
+        that raised are dropped, as stock clears its buckets there. The first step orders the layout by the
+        ranks' arrivals ([Note: fixed gradient layout])."""
+        if self._pass_open:
+            self._drop_unreduced()
+        else:
+            self.end_backward()
         self.end_pass()
+        if not self._ordered and self._pass is None:
+            self._order_by_arrival()
         self.consolidate()  # a window without any flush steps on zeros
+
+    def _order_by_arrival(self):
+        """Buckets re-made once, in the order gradients arrived on the ranks (each parameter at its earliest
+        position on any rank; those that came on no rank last, ds_id descending), which every rank computes
+        from the same all-gathered positions. Only the order changes: what each rank reduces does not."""
+        optimizer = self._optimizer()
+        key = tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])
+        if self.layout is None or self.layout.key != key:  # (a rank whose backward reached no parameter)
+            self.layout, self._arrival = _make_layout(optimizer, key, self.bucket_size, None), {}
+        layout, arrival = self.layout, self._arrival or {}
+        self._ordered, self._arrival = True, None
+        params = layout.params
+        late = len(params)
+        mine = [arrival.get(p.ds_id, late) for p in params]
+        rows = self._agreement.all_gather(mine, kind=7) if self._agreement.world > 1 else [mine]
+        first = [min(col) for col in zip(*rows)]
+        order = sorted(range(len(params)), key=lambda i: (first[i], -params[i].ds_id))
+        self.layout = _make_layout(optimizer, layout.key, self.bucket_size, [params[i] for i in order])
+
+def _make_layout(optimizer, key, bucket_size, order) -> GradLayout:
+    """[Note: fixed gradient layout] The trainable parameters (`key`) in `order` (default: ds_id descending, a
+    model's usual backward order), cut into buckets of at most `bucket_size` elements (a larger parameter
+    alone) within one process group."""
+    if order is None:
+        trainable = set(key)
+        order = sorted((p for group in optimizer.fp16_groups for p in group if p.ds_id in trainable),
+                       key=lambda p: -p.ds_id)
+    buckets, bucket, numel, group = [], [], 0, None
+    for p in order:
+        g = group_of(p)
+        if bucket and (g is not group or numel + p.ds_numel > bucket_size):
+            buckets.append(bucket)
+            bucket, numel = [], 0
+        bucket.append(p)
+        numel += p.ds_numel
+        group = g
+    if bucket:
+        buckets.append(bucket)
+    buckets = tuple(sorted(b, key=lambda p: p.ds_id) for b in buckets)  # the same layout on every rank
+    bucket_of = {p.ds_id: i for i, b in enumerate(buckets) for p in b}
+    return GradLayout(buckets, bucket_of, [p for b in buckets for p in b], key)
 
 
 def _slices(params, limit, world):
@@ -609,12 +768,13 @@ def note_gradient(stock):
 
 def epilogue(stock):
     def independent_gradient_partition_epilogue(self):
-        state = of_optimizer(self)
-        if state is not None and state.conditional_params and not self._coalesce_grad_reduction:
-            note_conditional(self, state)
         reducer = reducer_of(self)
         if reducer is not None:
-            reducer.flush()
+            reducer.end_pass_at_epilogue()
+        else:
+            state = of_optimizer(self)
+            if state is not None and state.conditional_params and not self._coalesce_grad_reduction:
+                note_conditional(self, state)
         return stock(self)
 
     return independent_gradient_partition_epilogue
@@ -632,9 +792,9 @@ def pre_step(stock):
 
 @torch.no_grad()
 def note_conditional(optimizer, state):
-    """Every rank's backward ends here: each trainable parameter of the conditional modules is reduced, its
-    gradient where its module ran, zeros where it did not ([Note: conditional modules] in conditional.py)."""
-    reducer = reducer_of(optimizer)
+    """On DeepSpeed's gradient path every rank's backward ends here: each trainable parameter of the conditional
+    modules is reduced, its gradient where its module ran, zeros where it did not ([Note: conditional modules] in
+    conditional.py). z3ext's own path needs none of this ([Note: fixed gradient layout])."""
     for p in state.conditional_params:
         if not p.requires_grad:
             continue
@@ -647,10 +807,7 @@ def note_conditional(optimizer, state):
             p.data = zeros
             p.grad = zeros
             p.data = placeholder
-        if reducer is not None:
-            reducer.note(p)
-        else:
-            optimizer.reduce_independent_p_g_buckets_and_remove_grads(p)
+        optimizer.reduce_independent_p_g_buckets_and_remove_grads(p)
 
 
 def post_step(stock):
