@@ -31,11 +31,12 @@ around it but its parent runs on every rank. Named in `"z3ext": {"conditional_mo
 module name, or a class name for every module of that class), such a module C has no hooks of its own: its
 parameters join its parent's unit, gathered when the parent's forward starts on every rank whether C runs or
 not, released or held for backward with it (the parent: the nearest module above C that is no ModuleList or
-ModuleDict, which never run). Its parameters get no per-parameter gradient hook either: at
-the end of each backward (DeepSpeed's epilogue, which every rank reaches) every trainable parameter of C is
-reduced in ds_id order, with its gradient where C ran and zeros where it did not. Every rank thus issues
-the same collectives, and C's gradient is the sum over the ranks that ran it, as with a dummy input that
-adds 0 times C's output to the loss on the others (stock's way, tests/test_conditional.py). It costs C's
+ModuleDict, which never run). Its gradients need nothing declared: z3ext's gradient layout reduces C's
+parameters in their fixed place, zeros where C did not run ([Note: fixed gradient layout] in grads.py); on
+DeepSpeed's gradient path (offload, qgZ, ...) they get no per-parameter hook and are reduced at the end of each
+backward (DeepSpeed's epilogue, which every rank reaches), their gradient or zeros. C's gradient is the sum over
+the ranks that ran it, as with a dummy input that adds 0 times C's output to the loss on the others (stock's
+way, tests/test_conditional.py). It costs C's
 gather in every forward of the parent, and C's memory for that whole forward. C must run inside its
 parent's forward (the parent's unit is gathered only then).
 """

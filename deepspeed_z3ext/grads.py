@@ -15,6 +15,34 @@ writes ([Note: gradient arithmetic]); then the full gradients are released. Deep
 autograd made are the bucket. On CUDA the work runs on DeepSpeed's reduce stream, waited for by
 stock's epilogue; at most two flushes are in flight, as in stock.
 
+[Note: fixed gradient layout] Which parameters get a gradient may differ by rank and by micro-step (a head per
+task, LayerDrop, a tower skipped on a text-only batch, an expert no token reached): DDP's update is then each
+rank's local gradient, a missing one as zeros, averaged, and every rank must still issue the same
+reduce-scatters. Buckets filled in arrival order (stock's, and z3ext's before) carry no identity: a rank
+whose head `a` got a gradient and one whose head `b` did reduce-scatter the two together (the same sizes: a
+silently wrong update; other sizes: gloo's "Received data size doesn't match"). So every trainable parameter has
+a fixed place: the layout (`_make_layout`) cuts the trainable parameters, in one order, into buckets of at most
+`reduce_bucket_size` elements within one process group, the same on every rank (made again when the trainable
+set changes). A backward pass reduces the buckets strictly in that order, each once: a bucket is reduced when
+every one of its parameters either delivered its gradient or cannot deliver one in this backward, and at the
+pass's end every bucket left is reduced with zeros in place of what did not come. Each rank so issues the same
+collectives with the same sizes whatever its backward reached, and each element is the sum of the ranks' local
+gradients (zeros where absent): DDP's numbers, bitwise those of stock with an unused part touched times 0.0
+(tests/test_asymmetric_grads.py), and stock's wherever every rank gets every gradient.
+  What cannot come is read from the autograd graph at the pass's first gradient (`unreached_in_backward`,
+csrc/backward_count.h): a parameter whose AccumulateGrad is not in the running graph task. That is exact
+unless a node of the graph runs a backward of its own (a reentrant checkpoint, whose parameters join only when
+it runs) or the pass began inside such a nested backward: such a pass judges nothing unreachable, reduces
+complete buckets as they fill, and the rest after the backward (DeepSpeed's epilogue from `engine.backward`,
+outside any graph task; else the next forward or the step). A gradient that arrives for a parameter already
+reduced as unreachable raises `GradientError` naming it, never a silent zero. A z3 leaf module's hook notes
+the gradients it has; its experts without one are zeros of the layout (stock makes the same zeros itself).
+  Order: ds_id descending at first (modules are usually built in forward order, so gradients come roughly in
+that order), and from the first optimizer step on the order in which the gradients came (each parameter at
+its earliest position on any rank, the ranks' positions exchanged once with one all-gather; never-seen ones
+last), so that a bucket seldom waits for a gradient that comes late: only memory depends on the order (a
+waiting bucket keeps later full gradients alive), never the numbers.
+
 [Note: flush slices] A flush lays its bucket out, reduce-scatters and writes it in slices of at most
 a quarter of `reduce_bucket_size` elements (consecutive parameters in ds_id order, a larger one alone),
 and frees each slice's gradients once written: the layout buffer, which a flush adds on top of the

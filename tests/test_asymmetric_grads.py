@@ -1,0 +1,152 @@
+"""Ranks whose backward reaches different parameters: DDP's numbers with nothing declared (DESIGN "Invariants";
+[Note: fixed gradient layout] in grads.py).
+
+Every head runs on every rank (the same gathers), but which heads a rank's loss uses differs by rank and by
+micro-step, so the parameters that get a gradient differ. DDP's update is each rank's local gradient, a missing
+one as zeros, averaged. The reference is stock ZeRO-3 with the workaround stock users apply (every unused head
+added to the loss times 0.0: each rank then has every gradient, zeros where unused), which gives DDP's numbers
+with stock's arithmetic: z3ext without the workaround must equal it bitwise. Stock without the workaround
+reduces the gradients in arrival order into buckets without identity, mixing one rank's head `a` with
+another's head `b`: its parameters differ (checked, so the comparison can fail). Every case runs on real gloo
+ranks under a hard timeout.
+"""
+import pytest
+
+from tests.harness import run_on_ranks
+from tests.training import train
+
+HIDDEN, VOCAB, SEQ = 16, 32, 8
+TIMEOUT = 300
+
+
+def _model(heads):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Heads(nn.Module):
+        """Both heads' weights in one module (its unit gathers both)."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight_a = nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.2)
+            self.weight_b = nn.Parameter(torch.randn(VOCAB, HIDDEN) * 0.2)
+
+        def forward(self, h):
+            return {"a": F.linear(h, self.weight_a), "b": F.linear(h, self.weight_b)}
+
+    class MultiTask(nn.Module):
+        """A shared body and two same-shaped heads, each a module (`heads` "modules": stock's backward then visits
+        different modules on different ranks, and its trace check raises) or both in one ("one-module");
+        `tasks` names the heads the loss uses."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.body = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+            if heads == "modules":
+                self.head_a = nn.Linear(HIDDEN, VOCAB)
+                self.head_b = nn.Linear(HIDDEN, VOCAB)
+            else:
+                self.heads = Heads()
+            self.tasks = ("a", )
+            self.touch = False  # stock's workaround: an unused head's output joins the loss times 0.0
+
+        def forward(self, tokens):
+            h = self.embed(tokens)
+            for layer in self.body:
+                h = h + torch.tanh(layer(h))
+            target = tokens.roll(-1, 1).flatten()
+            loss = h.float().pow(2).mean() * 1e-3
+            both = self.heads(h) if heads == "one-module" else None
+            for name in ("a", "b"):
+                logits = both[name] if both is not None else getattr(self, "head_" + name)(h)
+                if name in self.tasks:
+                    loss = loss + F.cross_entropy(logits.flatten(0, 1).float(), target)
+                elif self.touch:
+                    loss = loss + 0.0 * logits.float().sum()
+            return loss
+
+    return MultiTask()
+
+
+def _engine(z3ext, ga, heads, bucket=None):
+    import torch
+    import deepspeed
+    import deepspeed_z3ext  # noqa: F401
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if bucket:
+        zero["reduce_bucket_size"] = bucket
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}}, "zero_optimization": zero}
+    if z3ext:
+        cfg["z3ext"] = True
+    torch.manual_seed(7)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _model(heads)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+PATTERNS = {
+    # rank -> heads of each micro-step i
+    "a-or-b": lambda rank, i: ("a", ) if rank % 2 == 0 else ("b", ),
+    "no-head-on-one": lambda rank, i: () if rank == 1 else ("a", "b"),
+    "alternating": lambda rank, i: ("a", ) if (i + rank) % 2 == 0 else ("b", ),
+    "one-rank-one-step": lambda rank, i: ("b", ) if (rank == 0 and i == 1) else ("a", ),
+}
+
+
+def heads_by_rank(pattern, ga, heads, bucket=None, systems=("reference", "z3ext")):
+    import torch
+    import torch.distributed as dist
+    from tests.models import full_params
+    rank, out = dist.get_rank(), {}
+    choose = PATTERNS[pattern]
+    for name in systems:
+        engine = _engine(name == "z3ext", ga, heads, bucket=bucket)
+        engine.module.touch = name == "reference"
+
+        def forward(engine, i):
+            engine.module.tasks = choose(rank, i)
+            g = torch.Generator().manual_seed(100 * i + rank)
+            return engine(torch.randint(0, VOCAB, (2, SEQ), generator=g))
+
+        losses = train(engine, 3, forward=forward, ga=ga)
+        params = full_params(engine)
+        out[name] = dict(losses=losses, params=params)
+        if name == "z3ext":
+            from deepspeed_z3ext import grad_stats
+            out[name]["unreached"] = grad_stats(engine).unreached
+        engine.destroy()
+    ref = out["reference"]
+    return {name: dict(losses=r["losses"] == ref["losses"], unreached=r.get("unreached"),
+                       mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], r["params"][n])])
+            for name, r in out.items() if name != "reference"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pattern,ga", [("a-or-b", 1), ("no-head-on-one", 1), ("alternating", 2),
+                                        ("one-rank-one-step", 2)])
+@pytest.mark.parametrize("heads", ["modules", "one-module"])
+def test_heads_used_by_some_ranks_train_to_ddps_numbers(pattern, ga, heads, world):
+    # Stock without the workaround, where it trains at all (one module of heads, a head per rank): silently wrong.
+    stock = heads == "one-module" and pattern == "a-or-b"
+    systems = ("reference", "z3ext", "stock") if stock else ("reference", "z3ext")
+    results = run_on_ranks(heads_by_rank, world_size=world, timeout=TIMEOUT, pattern=pattern, ga=ga, heads=heads,
+                           systems=systems)
+    for rank, r in enumerate(results):
+        z3 = r["z3ext"]
+        assert z3["losses"] and not z3["mismatched"], f"rank {rank}: z3ext differs from DDP's numbers: {r}"
+    assert any(r["z3ext"]["unreached"] for r in results), f"no gradient was reduced as a zero: {results}"
+    if stock:  # a missing gradient is no zero in stock's buckets
+        assert any(r["stock"]["mismatched"] or not r["stock"]["losses"] for r in results), \
+            "stock ZeRO-3 without the workaround matched it: the comparison shows nothing"
+
+
+def test_buckets_of_one_or_two_parameters():
+    """`reduce_bucket_size` small enough for one or two parameters per bucket: every bucket is its own
+    reduce-scatter, reduced in the layout's order whatever arrived, 2 ranks."""
+    for rank, r in enumerate(run_on_ranks(heads_by_rank, timeout=TIMEOUT, pattern="alternating", ga=2,
+                                          heads="modules", bucket=600)):
+        assert r["z3ext"]["losses"] and not r["z3ext"]["mismatched"], f"rank {rank}: {r}"
