@@ -41,9 +41,12 @@ def environment_key():
     build, nothing is shared between them. The sources' contents are left out on purpose: an edit
     rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
     Which `ninja` is on PATH is left out too: each folder runs the ninja it was first built with
-    ([Note: one ninja per build folder]).
+    ([Note: one ninja per build folder]). The executable enters by its real path, links resolved: a
+    venv's `python`, `python3` and `python3.11` (and a launcher's shebang, `torchrun`'s is `python3`)
+    are links to one interpreter, which once cost one 63 MB build per spelling; what tells two venvs
+    of one interpreter apart is their `sys.prefix`.
     """
-    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
+    parts = (sys.prefix, sys.exec_prefix, os.path.realpath(sys.executable), str(CSRC), torch.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
 
 

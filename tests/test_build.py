@@ -223,3 +223,40 @@ def test_another_ninja_on_path_rebuilds_nothing(tmp_path):
     assert load(with_other) == first, "a PATH with another ninja rebuilt the ops"
     assert load(path) == first
     assert not ran.exists(), ran.read_text()
+
+
+def test_every_spelling_of_one_interpreter_shares_one_build(tmp_path):
+    """A venv's `python`, `python3` and `python3.X` are links to one interpreter, and a launcher runs its
+    shebang's spelling (torchrun's is `python3`): each chooses the same build name and folder, so the ops
+    are built once, not once per spelling ([Note: build cache key]). The key is computed without building
+    (the builder's name and folder); TORCH_EXTENSIONS_DIR is a fresh one, so nothing is built or touched."""
+    import site
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    major_minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    spellings = [venv / "bin" / name for name in ("python", "python3", major_minor)]
+    assert all(p.is_symlink() or p.exists() for p in spellings), sorted(os.listdir(venv / "bin"))
+    child_site = subprocess.run([str(spellings[0]), "-c", "import site; print(site.getsitepackages()[0])"],
+                                check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+    Path(child_site, "_tests_parent_env.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from op_builder.z3ext import Z3extOpBuilder
+        b = Z3extOpBuilder()
+        print("EXE", sys.executable)
+        print("KEY", b.name, b.build_dir())""")
+    launcher = tmp_path / "launcher"  # a console script as pip writes it: the venv's python3 in its shebang
+    launcher.write_text(f"#!{venv / 'bin' / 'python3'}\n{probe}")
+    launcher.chmod(0o755)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    seen = {}
+    for command in [[str(p), "-c", probe] for p in spellings] + [[str(launcher)]]:
+        r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:4] in ("EXE ", "KEY "))
+        seen[out["EXE"]] = out["KEY"]
+    assert len(seen) == 4, seen  # four spellings of the executable really
+    assert len(set(seen.values())) == 1, seen
+    assert not list((tmp_path / "ext").glob("*/*.so"))  # nothing was built
