@@ -21,6 +21,7 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__getitem__"),
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__setitem__"),
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__delitem__"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_prologue"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_epilogue"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward"),
