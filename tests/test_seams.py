@@ -197,4 +197,5 @@ def test_only_the_seam_layer_assigns_to_deepspeed():
     found = [f for p in sorted(PACKAGE.glob("*.py")) if p.name not in allowed for f in _assignments_to_deepspeed(p)]
     assert found == [], "DeepSpeed patched outside seams.py / deepspeed_private.py: " + "; ".join(found)
     activation = [f.split(": ", 1)[1] for f in _assignments_to_deepspeed(PACKAGE.parent / "deepspeed_z3ext_activate.py")]
-    assert sorted(activation) == ["DeepSpeedConfig._do_sanity_check", "DeepSpeedConfig._initialize_params"], activation
+    assert sorted(activation) == ["DeepSpeedConfig._do_sanity_check", "DeepSpeedConfig._initialize_params",
+                                  "deepspeed.initialize"], activation
