@@ -16,8 +16,8 @@ naming why instead: a config that enables z3ext never runs stock silently.
 Why a module outside the package: importing anything inside `deepspeed_z3ext` runs its `__init__`,
 which builds the ops and installs every seam; this file imports nothing but `os` and `sys` at
 interpreter start, so neither start nor `import deepspeed` pays for z3ext (README "Activation").
-It is the one place besides seams.py that changes DeepSpeed attributes, and only this check and the
-key check below (tests/test_seams.py checks both); `import deepspeed_z3ext` installs them too, so the
+It is the one place besides seams.py that changes DeepSpeed attributes, and only this check, the
+key check and the launcher hint below (tests/test_seams.py checks both); `import deepspeed_z3ext` installs them too, so the
 checks (and the refusal after `uninstall()`) are the same whether or not the package was installed
 with the .pth.
 
@@ -28,6 +28,15 @@ goes. `DeepSpeedConfig._initialize_params` (which every DeepSpeedConfig runs on 
 of DeepSpeed's parsing, before `_do_sanity_check`) is therefore replaced too, by `check_section_key`
 and then DeepSpeed's own: either mistake raises `Z3extConfigError` naming the key found and the right
 one, whether z3ext is imported, activated or switched off, and without building the ops first.
+
+[Note: launcher hint] `python script.py` with a z3ext config and no launcher reaches DeepSpeed's
+`init_distributed` without RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK, which then looks for an
+MPI environment and fails with `No module named 'mpi4py'` (or an MPI error), saying nothing of launchers.
+`deepspeed.initialize` is therefore wrapped here (the third and last DeepSpeed attribute this module
+replaces, for the same reason as the others: it works without an import): when the call raises from that MPI
+discovery, no launcher's variables were set and no process group existed before the call, and the config
+enables z3ext, it raises `Z3extLauncherError` naming `torchrun --nproc_per_node=1 <script>`, the original
+error chained. Anything else (another error, a launcher, a config without z3ext) goes through unchanged.
 """
 import os
 import sys
@@ -37,6 +46,9 @@ SECTION = "z3ext"
 _installed_check = None  # the check, once it replaced DeepSpeed's _do_sanity_check
 _stock_check = None      # DeepSpeed's _do_sanity_check, called by the check
 _stock_initialize = None  # DeepSpeed's _initialize_params, called after the key check
+_stock_ds_initialize = None  # deepspeed.initialize, called by the wrapper ([Note: launcher hint])
+# What DeepSpeed's init_distributed needs from a launcher; without all of them it looks for MPI.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
 class Z3extError(Exception):
@@ -52,6 +64,11 @@ class Z3extActivationError(Z3extError, RuntimeError):
 class Z3extConfigError(Z3extError, ValueError):
     """A `z3ext` config problem; the message names the key. Here, not in errors.py, so that the key check
     ([Note: section key]) raises it without importing the package."""
+
+
+class Z3extLauncherError(Z3extError, RuntimeError):
+    """`deepspeed.initialize` of a z3ext config ran without a launcher and DeepSpeed's MPI discovery failed; the
+    message names the launcher command ([Note: launcher hint])."""
 
 
 def _looks_like_section(key) -> bool:
@@ -141,17 +158,82 @@ def _initialize_params(self, param_dict):
     return _stock_initialize(self, param_dict)
 
 
+def _config_of(arguments):
+    """The config dict a `deepspeed.initialize` call was given (a dict, a JSON/HJSON path, or
+    `args.deepspeed_config`), or None."""
+    config = arguments.get("config")
+    if config is None:
+        config = arguments.get("config_params")
+    if config is None:
+        config = getattr(arguments.get("args"), "deepspeed_config", None)
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                text = f.read()
+            try:
+                import json
+                return json.loads(text)
+            except ValueError:
+                import hjson
+                return hjson.loads(text)
+        except Exception:  # noqa: BLE001 (no hint; DeepSpeed's own error stands)
+            return None
+    return config if isinstance(config, dict) else None
+
+
+def _from_mpi_discovery(error) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "mpi_discovery":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _launcher_hint(error) -> str:
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "script.py"
+    missing = [k for k in LAUNCHER_ENV if k not in os.environ]
+    return (f"z3ext: deepspeed.initialize ran without a launcher ({', '.join(missing)} not set), so DeepSpeed looked "
+            f"for an MPI environment and failed ({type(error).__name__}: {error}). Start the program with a launcher: "
+            f"`torchrun --nproc_per_node=1 {script}` runs it as one process (N processes: --nproc_per_node=N), "
+            f"`deepspeed {script}` on every GPU; with MPI, install mpi4py and use mpirun")
+
+
+def _ds_initialize(*args, **kwargs):
+    """deepspeed.initialize while installed: DeepSpeed's own, with the launcher hint ([Note: launcher hint])."""
+    torch_dist = sys.modules.get("torch.distributed")
+    without_launcher = (not all(k in os.environ for k in LAUNCHER_ENV)
+                        and not (torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized()))
+    try:
+        return _stock_ds_initialize(*args, **kwargs)
+    except Exception as e:
+        if without_launcher and _from_mpi_discovery(e):
+            import inspect
+            try:
+                arguments = inspect.signature(_stock_ds_initialize).bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                arguments = {}
+            if enables_z3ext(_config_of(arguments)):
+                raise Z3extLauncherError(_launcher_hint(e)) from e
+        raise
+
+
 def install_check():
-    """Replaces DeepSpeedConfig._do_sanity_check by the check and `_initialize_params` by the key check
-    (idempotent; imports DeepSpeed's config)."""
-    global _installed_check, _stock_check, _stock_initialize
+    """Replaces DeepSpeedConfig._do_sanity_check by the check, `_initialize_params` by the key check and
+    `deepspeed.initialize` by its wrapper with the launcher hint (idempotent; imports DeepSpeed's config)."""
+    global _installed_check, _stock_check, _stock_initialize, _stock_ds_initialize
     if _installed_check is not None:
         return
+    import functools
+
+    import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
     _stock_check = DeepSpeedConfig._do_sanity_check
     _stock_initialize = DeepSpeedConfig._initialize_params
+    _stock_ds_initialize = deepspeed.initialize
     DeepSpeedConfig._initialize_params = _initialize_params
     DeepSpeedConfig._do_sanity_check = _check
+    deepspeed.initialize = functools.wraps(_stock_ds_initialize)(_ds_initialize)
     _installed_check = _check
 
 

@@ -13,8 +13,9 @@ import deepspeed_z3ext_activate as _activation
 from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
-from deepspeed_z3ext.claims import ClaimError, ClaimKind
-from deepspeed_z3ext.errors import AioError, GradientError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.claims import ClaimError
+from deepspeed_z3ext.errors import (AioError, GradientError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError,
+                                    Z3extLauncherError)
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.generation import release_resident, resident
 from deepspeed_z3ext.schedule import ScheduleMismatchError
@@ -38,6 +39,17 @@ if not _report_only:
     _activation.install_check()  # under the seams (which wrap it), also when the package was not installed with its .pth
     install()
 
-__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
+
+
+def __getattr__(name):
+    # ClaimKind is the compiled ops' enum: read at first use ([Note: lazy claim vocabulary] in claims.py), so
+    # that `python -m deepspeed_z3ext` imports this package without building.
+    if name == "ClaimKind":
+        from deepspeed_z3ext import claims
+        return claims.ClaimKind
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "Z3extLauncherError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
            "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "resident", "release_resident", "aio_handle", "AioError", "install",
            "uninstall", "installed", "full_weights", "FullWeight", "WeightsError"]

@@ -161,16 +161,37 @@ def parse_section(param_dict: dict) -> Optional[Z3extConfig]:
     except ValidationError as e:
         problems = "; ".join(f'"{SECTION}.{".".join(str(p) for p in err["loc"])}": {err["msg"]} (got {err["input"]!r})'
                              + _did_you_mean(err) for err in e.errors())
+        keys = _valid_keys(e.errors())
+        if keys:
+            problems += (" " if problems.endswith("?") else ". ") + keys
         raise Z3extConfigError(f"invalid z3ext config: {problems}") from None
 
 
+# Words of an unknown key that ask for what DeepSpeed's own stage-3 keys set ([Note: stage-3 options]).
+_DEEPSPEED_SIZES = ("prefetch", "bucket", "live", "persist", "reuse")
+
+
 def _did_you_mean(err) -> str:
-    """For an unknown key, the closest of the section's keys (`hold_max_numell` -> `hold_max_numel`)."""
+    """For an unknown key, the closest of the section's keys (`hold_max_numell` -> `hold_max_numel`) when one is
+    close, the section's keys always, and where the key asks for a fetch size, the DeepSpeed keys that set it."""
     if err["type"] != "extra_forbidden" or len(err["loc"]) != 1:
         return ""
     import difflib
-    close = difflib.get_close_matches(str(err["loc"][0]), list(Z3extConfig.model_fields), n=1)
-    return f'; did you mean "{SECTION}.{close[0]}"?' if close else ""
+    key = str(err["loc"][0])
+    close = difflib.get_close_matches(key, list(Z3extConfig.model_fields), n=1)
+    said = f'; did you mean "{SECTION}.{close[0]}"?' if close else ""
+    if any(word in key.lower() for word in _DEEPSPEED_SIZES):
+        said += ("; DeepSpeed's own zero_optimization keys (stage3_prefetch_bucket_size, stage3_max_live_parameters, "
+                 "stage3_param_persistence_threshold, reduce_bucket_size) set prefetch, live, persistence and bucket "
+                 "sizes, and z3ext honours them")
+    return said
+
+
+def _valid_keys(errors) -> str:
+    """After a message with an unknown key: the section's keys, once."""
+    if not any(err["type"] == "extra_forbidden" for err in errors):
+        return ""
+    return f'The keys of "{SECTION}": {", ".join(sorted(Z3extConfig.model_fields))}'
 
 
 # [Note: stage-3 options] DeepSpeed 0.19.8's stage-3 keys for parameter fetch and what z3ext does

@@ -3,7 +3,7 @@ raises on purpose, and each also is the builtin a caller of DeepSpeed's code wou
 (`ClaimError` is defined with the claim vocabulary, claims.py). The base, the activation error and the config
 error live in the top-level `deepspeed_z3ext_activate` module, which loads without this package ([Note:
 activation], [Note: section key])."""
-from deepspeed_z3ext_activate import Z3extActivationError, Z3extConfigError, Z3extError  # noqa: F401
+from deepspeed_z3ext_activate import Z3extActivationError, Z3extConfigError, Z3extError, Z3extLauncherError  # noqa: F401
 
 
 class AioError(Z3extError, OSError):

@@ -19,7 +19,8 @@ from typing import List, NamedTuple, Optional
 
 import deepspeed.comm as dist
 
-from deepspeed_z3ext.claims import GATHERED, SHARED_OWNER, ClaimError
+from deepspeed_z3ext import claims
+from deepspeed_z3ext.claims import ClaimError
 from deepspeed_z3ext.state import of_param
 
 
@@ -89,19 +90,19 @@ def _with_params(ctx, params, call):
 
 def _enter(self, split, stock_enter):
     for part in split.parts:
-        problem = part.state.engine.conflict(part.unit, GATHERED, SHARED_OWNER, to_claim=True)
+        problem = part.state.engine.conflict(part.unit, claims.GATHERED, claims.SHARED_OWNER, to_claim=True)
         if problem:
             raise ClaimError(problem + " (nested GatheredParameters blocks overlap on it)")
     done = []
     try:
         for part in split.parts:
-            part.state.engine.unshard(part.unit, GATHERED, SHARED_OWNER)
+            part.state.engine.unshard(part.unit, claims.GATHERED, claims.SHARED_OWNER)
             done.append(part)
         if split.stock:
             _with_params(self, split.stock, lambda: stock_enter(self))
     except BaseException:
         for part in done:
-            part.state.engine.reshard(part.unit, GATHERED, SHARED_OWNER)
+            part.state.engine.reshard(part.unit, claims.GATHERED, claims.SHARED_OWNER)
         raise
     self._z3ext_split = split
 
@@ -122,11 +123,11 @@ def _exit(self, split, stock_exit, exc):
         except BaseException as e:
             error = error or e
         finally:
-            problem = part.state.engine.conflict(part.unit, GATHERED, SHARED_OWNER, to_claim=False)
+            problem = part.state.engine.conflict(part.unit, claims.GATHERED, claims.SHARED_OWNER, to_claim=False)
             if problem:
                 error = error or ClaimError(problem)
             else:
-                part.state.engine.reshard(part.unit, GATHERED, SHARED_OWNER)
+                part.state.engine.reshard(part.unit, claims.GATHERED, claims.SHARED_OWNER)
     if split.stock:
         try:
             _with_params(self, split.stock, lambda: stock_exit(self, *exc))

@@ -4,7 +4,6 @@ DeepSpeed keeps partitioning, its module hooks, gradient reduce-scatter, the opt
 checkpoints; the coordinator behind the hooks and the per-parameter entry points are z3ext's.
 """
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-from deepspeed.utils import log_dist
 
 from deepspeed_z3ext import conditional, hooks, master, swap
 from deepspeed_z3ext.config import param_dict_of, parse_section
@@ -83,8 +82,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
                                                   resident_from_memory=_sizes_resident_from_memory(ds_config, z3ext_config))
         self.z3ext.coordinator = self.param_coordinator
         self.param_coordinator.resident.lifted = self.z3ext_lifted  # [Note: lifted hooks] (set by hooks.register)
-        log_dist(f"z3ext: gather and release of {len(self.z3ext.params)} ZeRO-3 parameters owned by z3ext",
-                 ranks=[0])
+        # What z3ext owns is said once the engine has its optimizer ([Note: handover line] in handover.py).
 
     def _register_deepspeed_module(self, module, count=None):
         # z3ext's two hooks per module instead of DeepSpeed's four ([Note: module hooks]).

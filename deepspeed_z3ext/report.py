@@ -3,8 +3,9 @@
 Versions, the DeepSpeed versions z3ext is tested with, CPU/CUDA, whether the ops are built and where,
 and whether activation without an import is on ([Note: activation]). It builds nothing unless asked
 (`--build`): `python -m` imports this package first, and its `__init__` skips the build and the seams
-while the interpreter is locating a `-m` module (`sys.argv[0] == "-m"`), so the report also works where
-the build would fail.
+while the interpreter is locating a `-m` module (`sys.argv[0] == "-m"`), and nothing it imports loads the
+ops ([Note: lazy claim vocabulary] in claims.py), so the report also works where the build would fail: it
+names the compiler problem, and with --build the build's error as its last line (exit status 1), no traceback.
 """
 import os
 import platform
@@ -34,7 +35,19 @@ def _ops_status(builder_class):
     built = sorted(folder.glob(f"{builder.name}*.so"))
     if built:
         return builder.flavour, str(folder), f"built ({built[0].name}); an edit of csrc/ rebuilds in place"
-    return builder.flavour, str(folder), "not built yet: built on first use (a minute or two), or now with --build"
+    return builder.flavour, str(folder), ("not built. A build (the first `import deepspeed_z3ext`, or now with "
+                                          "--build) compiles csrc/ with the C++ compiler and ninja into the ops "
+                                          "folder: 1-3 minutes on an idle machine, cached afterwards")
+
+
+def _compiler_line():
+    """The compiler a build would run, or what is wrong with it (op_builder's checks, without building)."""
+    from deepspeed_z3ext._ops import _builder_class
+    module = sys.modules[_builder_class().__module__]
+    problem = module.compiler_problem()
+    if problem is not None:
+        return "PROBLEM: " + problem
+    return f"{module.compiler()} ({module.compiler_version()})"
 
 
 def lines(build=False):
@@ -55,8 +68,13 @@ def lines(build=False):
         out.append(("device", f"CUDA, {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"))
     else:
         out.append(("device", f"CPU (no CUDA device visible); DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', 'unset')}"))
+    out.append(("compiler", _compiler_line()))
+    failed = None
     if build:
-        ops()
+        try:
+            ops()
+        except Exception as e:  # noqa: BLE001 (the report goes on; the error is its last line)
+            failed = f"{type(e).__name__}: {e}"
     flavour, where, state = _ops_status(_builder_class())
     out += [("ops", f"{flavour} flavour, {state}"), ("ops folder", where)]
     pth = _pth_files()
@@ -66,6 +84,8 @@ def lines(build=False):
                                "raises unless deepspeed_z3ext is imported" if pth else
                                "not installed (no deepspeed_z3ext.pth in site-packages: `pip install .` or "
                                "`pip install -e .`): import deepspeed_z3ext before deepspeed.initialize")))
+    if failed is not None:
+        out.append(("build", f"FAILED: {failed}"))
     return out
 
 
@@ -78,3 +98,4 @@ def main(argv=None):
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 1 if rows[-1][0] == "build" else 0

@@ -78,8 +78,8 @@ def _table():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
 
-    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, linear, master,
-                                 norm, offload, swap)
+    from deepspeed_z3ext import (config, epoch, external, fallback, gathered, generation, grad_hooks, grads, handover,
+                                 linear, master, norm, offload, swap)
     return [
         Seam(DeepSpeedConfig, "_do_sanity_check", config.sanity_check,
              "validates the z3ext section at deepspeed.initialize, naming bad keys and refused options"),
@@ -93,6 +93,8 @@ def _table():
              "a parameter set on a ZeRO module moves the tree epoch ([Note: tree epoch])"),
         Seam(ZeROOrderedDict, "__delitem__", epoch.delitem,
              "a parameter removed from a ZeRO module moves the tree epoch ([Note: tree epoch])"),
+        Seam(DeepSpeedEngine, "_configure_zero_optimizer", handover.configure_zero_optimizer,
+             "a z3ext engine logs one line (rank 0) of what z3ext owns and hands to DeepSpeed ([Note: handover line])"),
         Seam(DeepSpeedEngine, "_forward_prologue", external.forward_prologue,
              "an eager z3ext engine flags its cached parameter dicts instead of walking every module "
              "([Note: forward flags])"),

@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -41,9 +42,12 @@ def environment_key():
     build, nothing is shared between them. The sources' contents are left out on purpose: an edit
     rebuilds in place (torch compares the sources) instead of leaving one folder behind per edit.
     Which `ninja` is on PATH is left out too: each folder runs the ninja it was first built with
-    ([Note: one ninja per build folder]).
+    ([Note: one ninja per build folder]). The executable enters by its real path, links resolved: a
+    venv's `python`, `python3` and `python3.11` (and a launcher's shebang, `torchrun`'s is `python3`)
+    are links to one interpreter, which once cost one 63 MB build per spelling; what tells two venvs
+    of one interpreter apart is their `sys.prefix`.
     """
-    parts = (sys.prefix, sys.exec_prefix, os.path.abspath(sys.executable), str(CSRC), torch.__version__)
+    parts = (sys.prefix, sys.exec_prefix, os.path.realpath(sys.executable), str(CSRC), torch.__version__)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
 
 
@@ -105,6 +109,39 @@ def torch_lock_outlives_its_holder(cpp_extension=None):
     return "FileBaton" in vars(cpp_extension)
 
 
+def compiler() -> str:
+    """The C++ compiler a build runs: torch's choice, `$CXX` or `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
+def compiler_problem(run=True):
+    """What stops the C++ compiler from building, in words, or None. `run`: also run `<compiler> --version`
+    (a compiler that exists but does not run, `CXX=/bin/false`), which the report and a due build do, and
+    a load of built ops does not (it compiles nothing)."""
+    cxx = compiler()
+    found = shutil.which(cxx)
+    if found is None:
+        return (f"no C++ compiler '{cxx}' on PATH. Install one (e.g. `apt-get install g++`) or set CXX to "
+                "one that is.")
+    if not run:
+        return None
+    try:
+        r = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the C++ compiler '{cxx}' ({found}) does not run: {e}. Install one or set CXX to one that runs."
+    if r.returncode != 0:
+        said = r.stderr.strip().splitlines()
+        return (f"the C++ compiler '{cxx}' ({found}) does not run: `{cxx} --version` exited {r.returncode}"
+                + (f" ({said[-1]})" if said else "") + ". Install one or set CXX to one that runs.")
+    return None
+
+
+def compiler_version():
+    """The first line `<compiler> --version` prints (call after compiler_problem() found none)."""
+    r = subprocess.run([compiler(), "--version"], capture_output=True, text=True, timeout=60)
+    return (r.stdout.strip().splitlines() or ["?"])[0]
+
+
 class Z3extOpBuilder(CUDAOpBuilder):
     BUILD_VAR = "Z3EXT_BUILD_OPS"
     NAME = "deepspeed_z3ext_ops"
@@ -140,10 +177,9 @@ class Z3extOpBuilder(CUDAOpBuilder):
 
     # -- checks that turn build failures into instructions -------------------------------------
     def check_toolchain(self):
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise OpBuildError(f"z3ext: no C++ compiler '{cxx}' on PATH. Install one (e.g. `apt-get install g++`) "
-                               "or set CXX.")
+        problem = compiler_problem(run=False)
+        if problem is not None:
+            raise OpBuildError(f"z3ext: {problem}")
         py_inc = sysconfig.get_paths()["include"]
         if not Path(py_inc, "Python.h").exists():
             raise OpBuildError(f"z3ext: Python headers not found in {py_inc}: install python3-dev "
@@ -206,6 +242,9 @@ class Z3extOpBuilder(CUDAOpBuilder):
             before = _mtime_ns(so)
             announced = before is None or any(_mtime_ns(f) > before for f in CSRC.iterdir() if f.is_file())
             if announced:
+                problem = compiler_problem()  # one that exists but does not run fails the build in its own words
+                if problem is not None:
+                    raise OpBuildError(f"z3ext: cannot build the {self.flavour} ops in {build_dir}: {problem}")
                 _say(f"z3ext: building the {self.flavour} ops in {build_dir} (first use: 1-3 minutes, cached "
                      "afterwards)")
             start = time.time()

@@ -223,3 +223,98 @@ def test_another_ninja_on_path_rebuilds_nothing(tmp_path):
     assert load(with_other) == first, "a PATH with another ninja rebuilt the ops"
     assert load(path) == first
     assert not ran.exists(), ran.read_text()
+
+
+def test_every_spelling_of_one_interpreter_shares_one_build(tmp_path):
+    """A venv's `python`, `python3` and `python3.X` are links to one interpreter, and a launcher runs its
+    shebang's spelling (torchrun's is `python3`): each chooses the same build name and folder, so the ops
+    are built once, not once per spelling ([Note: build cache key]). The key is computed without building
+    (the builder's name and folder); TORCH_EXTENSIONS_DIR is a fresh one, so nothing is built or touched."""
+    import site
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    major_minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    spellings = [venv / "bin" / name for name in ("python", "python3", major_minor)]
+    assert all(p.is_symlink() or p.exists() for p in spellings), sorted(os.listdir(venv / "bin"))
+    child_site = subprocess.run([str(spellings[0]), "-c", "import site; print(site.getsitepackages()[0])"],
+                                check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+    Path(child_site, "_tests_parent_env.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+    probe = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from op_builder.z3ext import Z3extOpBuilder
+        b = Z3extOpBuilder()
+        print("EXE", sys.executable)
+        print("KEY", b.name, b.build_dir())""")
+    launcher = tmp_path / "launcher"  # a console script as pip writes it: the venv's python3 in its shebang
+    launcher.write_text(f"#!{venv / 'bin' / 'python3'}\n{probe}")
+    launcher.chmod(0o755)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    seen = []
+    for command in [[str(p), "-c", probe] for p in spellings] + [[str(launcher)]]:
+        r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:4] in ("EXE ", "KEY "))
+        seen.append((command[0], out["EXE"], out["KEY"]))
+    assert len({exe for _, exe, _ in seen[:3]}) == 3, seen  # three spellings of sys.executable really
+    assert seen[3][1] == str(spellings[1]), seen  # the launcher's: its shebang's
+    assert len({key for _, _, key in seen}) == 1, seen
+    assert not list((tmp_path / "ext").glob("*/*.so"))  # nothing was built
+
+
+def _report(tmp_path, *args, env=None):
+    """`python -m deepspeed_z3ext [args]` in a fresh process whose TORCH_EXTENSIONS_DIR is empty: (result, its
+    rows as {key: value})."""
+    full_env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
+    r = subprocess.run([sys.executable, "-m", "deepspeed_z3ext", *args], capture_output=True, text=True,
+                       env=full_env, timeout=300, cwd=tmp_path)
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in r.stdout.splitlines() if re.search(r"\S\s{2,}\S", line))
+    return r, rows
+
+
+def _nothing_built(tmp_path):
+    """No build file in the fresh TORCH_EXTENSIONS_DIR (--build leaves its lock file and pinned ninja)."""
+    return not [p for p in (tmp_path / "ext").rglob("*") if p.name == "build.ninja" or p.suffix in (".so", ".o")]
+
+
+def test_the_report_builds_nothing_and_says_where_a_build_would_go(tmp_path):
+    """`python -m deepspeed_z3ext` imports the package without loading the ops ([Note: lazy claim vocabulary]):
+    with no build in TORCH_EXTENSIONS_DIR it reports "not built", the folder a build would use and what a
+    build does, names the compiler, and leaves that folder without a file."""
+    r, rows = _report(tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert rows["ops"].startswith(("cpu flavour, not built.", "cuda flavour, not built.")), rows
+    assert "compiles csrc/" in rows["ops"] and "--build" in rows["ops"], rows["ops"]
+    assert Path(rows["ops folder"]).parent == tmp_path / "ext", rows
+    assert not rows["compiler"].startswith("PROBLEM"), rows["compiler"]
+    assert "z3ext: build" not in r.stderr, r.stderr[-2000:]
+    assert _nothing_built(tmp_path)
+
+
+@pytest.mark.parametrize("broken", ["cxx-false", "no-compiler-on-path"])
+@pytest.mark.parametrize("build", [False, True], ids=["report", "build"])
+def test_a_broken_compiler_gets_the_report_and_names_the_problem(tmp_path, broken, build):
+    """With a compiler that does not run (`CXX=/bin/false`) or none on PATH, the report is printed whole and
+    its compiler line names the problem; with --build its last line is the build's error naming the
+    compiler too (exit status 1). Never a traceback, never a file in the build folder."""
+    if broken == "cxx-false":
+        env, named = {"CXX": "/bin/false"}, "the C++ compiler '/bin/false' (/bin/false) does not run"
+    else:
+        (tmp_path / "bin").mkdir()
+        env, named = {"PATH": str(tmp_path / "bin")}, "no C++ compiler 'c++' on PATH"
+    r, rows = _report(tmp_path, *(["--build"] if build else []), env=env)
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    assert {"deepspeed_z3ext", "python", "torch", "deepspeed", "compiler", "ops", "ops folder",
+            "activation"} <= set(rows), r.stdout
+    assert rows["compiler"].startswith("PROBLEM: " + named), rows["compiler"]
+    assert "not built." in rows["ops"], rows["ops"]
+    if build:
+        assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+        assert r.stdout.splitlines()[-1].startswith("build"), r.stdout
+        assert rows["build"].startswith("FAILED: OpBuildError: z3ext:") and named in rows["build"], rows["build"]
+    else:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "build" not in rows
+    assert _nothing_built(tmp_path)

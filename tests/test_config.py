@@ -29,6 +29,8 @@ BAD_SECTIONS = {
     "misspelt_key": ({"enabled": True, "hold_max_numell": 10}, '"z3ext.hold_max_numell": Extra inputs are not '
                      'permitted (got 10); did you mean "z3ext.hold_max_numel"?'),
     "misspelt_case": ({"Enabled": True}, 'did you mean "z3ext.enabled"?'),
+    "far_off_key": ({"enabled": True, "prefetch_depth": 2}, '"z3ext.prefetch_depth": Extra inputs are not permitted '
+                    "(got 2); DeepSpeed's own zero_optimization keys (stage3_prefetch_bucket_size"),
 }
 
 # Keys meant as the section that DeepSpeed would ignore (stock ZeRO-3, silently, without the check).
@@ -171,6 +173,17 @@ def test_bad_section_value_names_the_key(cases, case):
     message = cases["bad"][case]
     assert message is not None and message.startswith("Z3extConfigError"), message
     assert BAD_SECTIONS[case][1] in message, message
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "misspelt_key", "far_off_key"])
+def test_an_unknown_key_gets_the_list_of_valid_keys(cases, case):
+    """An unknown key, close to a valid one or not, ends the message with every key of the section, once."""
+    from deepspeed_z3ext.config import Z3extConfig
+    message = cases["bad"][case]
+    keys = ", ".join(sorted(Z3extConfig.model_fields))
+    assert message.endswith(f'The keys of "z3ext": {keys}'), message
+    assert message.count("The keys of") == 1, message
+    assert "schedule_check" in keys and "reduce_gradients" in keys
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

@@ -86,3 +86,5 @@ def test_errors_share_one_base(tmp_path):
     assert isinstance(e.value, OSError) and isinstance(e.value, deepspeed_z3ext.AioError)
     assert issubclass(deepspeed_z3ext.ClaimError, RuntimeError)
     assert issubclass(deepspeed_z3ext.GradientError, RuntimeError) and issubclass(deepspeed_z3ext.GradientError, deepspeed_z3ext.Z3extError)
+    assert issubclass(deepspeed_z3ext.Z3extLauncherError, RuntimeError)
+    assert issubclass(deepspeed_z3ext.Z3extLauncherError, deepspeed_z3ext.Z3extError)

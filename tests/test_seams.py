@@ -21,6 +21,7 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__getitem__"),
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__setitem__"),
     ("deepspeed.runtime.zero.parameter_offload", "ZeROOrderedDict", "__delitem__"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "_configure_zero_optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_prologue"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "_forward_epilogue"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward"),
@@ -196,4 +197,5 @@ def test_only_the_seam_layer_assigns_to_deepspeed():
     found = [f for p in sorted(PACKAGE.glob("*.py")) if p.name not in allowed for f in _assignments_to_deepspeed(p)]
     assert found == [], "DeepSpeed patched outside seams.py / deepspeed_private.py: " + "; ".join(found)
     activation = [f.split(": ", 1)[1] for f in _assignments_to_deepspeed(PACKAGE.parent / "deepspeed_z3ext_activate.py")]
-    assert sorted(activation) == ["DeepSpeedConfig._do_sanity_check", "DeepSpeedConfig._initialize_params"], activation
+    assert sorted(activation) == ["DeepSpeedConfig._do_sanity_check", "DeepSpeedConfig._initialize_params",
+                                  "deepspeed.initialize"], activation
