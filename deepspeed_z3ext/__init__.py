@@ -14,7 +14,7 @@ from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
 from deepspeed_z3ext.claims import ClaimError, ClaimKind
-from deepspeed_z3ext.errors import AioError, GradientError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError
+from deepspeed_z3ext.errors import AioError, GradientError, LeakError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.generation import release_resident, resident
 from deepspeed_z3ext.schedule import ScheduleMismatchError
@@ -39,5 +39,5 @@ if not _report_only:
     install()
 
 __all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
-           "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "resident", "release_resident", "aio_handle", "AioError", "install",
+           "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "LeakError", "resident", "release_resident", "aio_handle", "AioError", "install",
            "uninstall", "installed", "full_weights", "FullWeight", "WeightsError"]

@@ -76,7 +76,8 @@ def _device(group):
 
 
 KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph deaths", 4: "the schedule check",
-         5: "an exchange of call arguments", 6: "the gradient norm's all-reduce"}
+         5: "an exchange of call arguments", 6: "the gradient norm's all-reduce",
+         7: "the leak check's exchange"}
 
 
 class Preagreement:
