@@ -86,6 +86,7 @@ class Watchdog:
         self._last = 0.0               # the stall's age at the last poll: a younger one is a new stall
         self.warnings = 0              # warnings logged (a rank late, or every rank slow)
         self.aborted_groups = 0        # NCCL groups aborted with the verdict
+        self.polls = 0
         self.verdict: Optional[str] = None
         _RUNNER.add(self)
 
@@ -94,6 +95,7 @@ class Watchdog:
 
     # -- on the watchdog thread ------------------------------------------------------------------------
     def poll(self):
+        self.polls += 1
         if self.verdict is not None or self.progress.aborted:
             return
         stalled = self.progress.stalled_seconds()
