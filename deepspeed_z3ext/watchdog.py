@@ -197,7 +197,11 @@ def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
                                            f"watchdog, [Note: hang watchdog] in deepspeed_z3ext/watchdog.py){tail}")
     pending = {r: [rec for rec in rep["records"] if rec[7] != _COMPLETE] for r, rep in reports.items()}
     host_waits = {r: next((rec for rec in p if rec[7] == _WAITING), None) for r, p in pending.items()}
-    if not silent and world > 1 and all(host_waits.values()) and len({w[0] for w in host_waits.values()}) > 1:
+    # Every rank waiting, in different collectives: none can arrive at the others'. Certain only where every
+    # wait is older than an interval: reports are taken a poll or so apart, and a late rank that arrived just
+    # then may have left the collective the others' reports still wait in.
+    if not silent and world > 1 and all(w is not None and w[6] >= deadline.interval for w in host_waits.values()) \
+            and len({w[0] for w in host_waits.values()}) > 1:
         what = "; ".join(f"rank {r}: #{w[0]} ({describe(names, w[1:6])})" for r, w in sorted(host_waits.items()))
         return ScheduleMismatchError, (f"z3ext: the ranks wait in different collectives ({what}): none can arrive "
                                        "at the others'. A rank ran a forward, a backward or a call the others did "
