@@ -68,6 +68,7 @@ def _warned(engine):
 
 def _check_stuck(out, world):
     late = world - 1
+    print("seconds to the error by rank:", [round(o[2], 1) for o in out], "warnings:", [o[3] for o in out])
     for rank, (name, msg, seconds, warned) in enumerate(out):
         assert name == "RankTimeoutError", (rank, name, msg)
         first = msg.splitlines()[0]
