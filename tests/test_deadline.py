@@ -215,3 +215,25 @@ def test_an_inquiry_costs_each_rank_a_constant_number_of_store_operations(world)
     print(f"world {world}: store operations of inquiry 0 by rank {totals}, in all {sum(totals)}; "
           f"polls by rank {[r['polls'] for r in out]}, operations by rank {[len(r['log']) for r in out]}")
     assert sum(totals) <= 5 * world, totals  # the world's: O(world)
+
+
+def hpz_groups():
+    import torch.distributed as dist
+    from deepspeed_z3ext import state
+    from deepspeed_z3ext.deadline import group_timeout
+    from tests.test_hpz import _build, _config
+    engine = _build(_config({"enabled": True, "hang_timeout": HANG}))
+    st = state.of_engine(engine)
+    return dict(groups=sorted((dist.get_world_size(g), group_timeout(g)) for g in st.issued_groups()),
+                deadline=tuple(st.watchdog.deadline))
+
+
+def test_the_groups_of_an_hpz_engine_and_the_smallest_timeout():
+    """With hpZ over nodes of 2 the engine issues on the world and on DeepSpeed's intra-node group, made by
+    `new_group` with torch's default timeout (30 minutes): the deadline follows the smallest, the world's 30 s.
+    (On NCCL these are the groups the watchdog aborts: tests/test_watchdog.py, gpus(2).)"""
+    out = run_on_ranks(hpz_groups, world_size=4, timeout=180, pg_timeout=PG_TIMEOUT)
+    print("(size, timeout) of the groups rank 0 issues on:", out[0]["groups"])
+    for rank, r in enumerate(out):
+        assert (4, PG_TIMEOUT) in r["groups"] and any(size == 2 for size, _ in r["groups"]), (rank, r)
+        assert r["deadline"] == (PG_TIMEOUT, PG_TIMEOUT - 5, HANG), (rank, r)

@@ -38,14 +38,18 @@ def _user_code(seconds):
         time.sleep(0.05)
 
 
-def stuck(agree):
+def stuck(agree, hpz=False):
     """The last rank stays in user code at step 3 for twice the group's timeout; returns (error name, message,
-    seconds from step 3's start to the error, warnings logged before it)."""
+    seconds from step 3's start to the error, warnings logged before it). `hpz`: ZeRO++ hpZ over nodes of 2."""
     import torch.distributed as dist
     import deepspeed_z3ext
     from tests.models import batch
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = _engine(agree)
+    if hpz:
+        from tests.test_hpz import _build, _config
+        engine = _build(_config({"enabled": True, "agree_before_collectives": agree, "hang_timeout": HANG}))
+    else:
+        engine = _engine(agree)
     t0 = None
     try:
         for i in range(6):
@@ -56,9 +60,9 @@ def stuck(agree):
             x = batch(i, rank)
             engine.backward(engine(x.cuda() if on_gpu() else x))
             engine.step()
-        return ("finished", "", 0.0, _warned(engine))
+        return ("finished", "", 0.0, _warned(engine), _groups(engine))
     except BaseException as e:  # a z3ext error, or the backend's (which the test names)
-        return (type(e).__name__, str(e), time.monotonic() - t0, _warned(engine))
+        return (type(e).__name__, str(e), time.monotonic() - t0, _warned(engine), _groups(engine))
 
 
 def _warned(engine):
@@ -66,10 +70,19 @@ def _warned(engine):
     return state.of_engine(engine).watchdog.warnings
 
 
+def _groups(engine):
+    """The NCCL groups the engine issues on (how many, their sizes) and how many the watchdog aborted."""
+    import torch.distributed as dist
+    from deepspeed_z3ext import state
+    st = state.of_engine(engine)
+    nccl = [dist.get_world_size(g) for g in st.issued_groups() if dist.get_backend(g) == "nccl"]
+    return dict(nccl=len(nccl), sizes=sorted(nccl), aborted=st.watchdog.aborted_groups)
+
+
 def _check_stuck(out, world):
     late = world - 1
     print("seconds to the error by rank:", [round(o[2], 1) for o in out], "warnings:", [o[3] for o in out])
-    for rank, (name, msg, seconds, warned) in enumerate(out):
+    for rank, (name, msg, seconds, warned, _) in enumerate(out):
         assert name == "RankTimeoutError", (rank, name, msg)
         first = msg.splitlines()[0]
         assert first.startswith(f"z3ext: rank {late} kept collective #") and "waiting" in first, (rank, first)
@@ -80,7 +93,7 @@ def _check_stuck(out, world):
         # after the deadline (less a poll), before the group's timeout: the backend's error never came
         assert DEADLINE - 1 < seconds < PG_TIMEOUT, f"rank {rank} raised {seconds:.1f}s after the stall began: {msg}"
         assert warned >= 2, (rank, warned)  # warned every hang_timeout until the deadline
-    assert len({m for _, m, _, _ in out}) == 1, [m for _, m, _, _ in out]  # every rank names the same thing
+    assert len({o[1] for o in out}) == 1, [o[1] for o in out]  # every rank names the same thing
 
 
 @pytest.mark.parametrize("world,agree", [(2, True), (2, False), (4, True)],
@@ -97,6 +110,20 @@ def test_a_rank_stuck_in_user_code_is_named_on_gpus():
     host's."""
     out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=PG_TIMEOUT, agree=False)
     _check_stuck(out, len(out))
+
+
+@pytest.mark.gpus(2)
+def test_a_rank_stuck_with_hpz_on_gpus_aborts_every_group_z3ext_issues_on():
+    """On NCCL a host blocked behind any of z3ext's groups (the engine's, DeepSpeed's data-parallel clone, hpZ's)
+    returns only when that group is aborted: every rank raises the named error before the group's timeout, and
+    the watchdog aborted each NCCL group the engine issues on and the world's."""
+    from tests.harness import skip_on_one_gpu
+    skip_on_one_gpu("NCCL's abort is what is tested")
+    out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=PG_TIMEOUT, agree=False, hpz=True)
+    _check_stuck(out, len(out))
+    for rank, (*_, groups) in enumerate(out):
+        assert 2 in groups["sizes"] and groups["nccl"] >= 2, (rank, groups)  # the engine's and hpZ's at least
+        assert groups["aborted"] >= groups["nccl"], (rank, groups)
 
 
 def extra_forward_at_the_end():
