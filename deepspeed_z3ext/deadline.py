@@ -2,16 +2,17 @@
 
 [Note: the deadline is the group's] How long a rank may keep the others waiting is the user's decision, made
 where the process group was made (`deepspeed.init_distributed(timeout=...)`, `dist.new_group(timeout=...)`;
-DeepSpeed's default is 30 minutes, NCCL's 10). A watchdog with its own limit either ends legitimate skew (a
-rank-0-only checkpoint write or evaluation longer than the limit) or, where the group's timeout is the shorter,
-loses to the backend's own error (gloo's "Timed out waiting", then "Connection closed by peer" on the other
-ranks; NCCL's watchdog ending the process). So z3ext reads the timeout of every group it issues collectives on
-(the engine's, each parameter's, hpZ's, the gradient norm's: DeepSpeed's data-parallel clone is made by
-`new_group` without one and has torch's default, not the world's) and takes the smallest, `timeout`. A
-collective pending for `deadline = timeout - max(5 s, 10 %)` (at most half the timeout off) ends in
-`RankTimeoutError` on every rank: the margin covers a poll, the reports' exchange and the delivery, so the
-named error comes before the backend's. Until then `hang_timeout` is the interval at which every rank logs a
-warning naming the late rank and where it is, and training goes on ([Note: hang watchdog] in watchdog.py).
+DeepSpeed 0.19's default is 10 minutes, `DEEPSPEED_TIMEOUT`; torch's 30 for gloo, 10 for NCCL). A watchdog
+with its own limit either ends legitimate skew (a rank-0-only checkpoint write or evaluation longer than the
+limit) or, where the group's timeout is the shorter, loses to the backend's own error (gloo's "Timed out
+waiting", then "Connection closed by peer" on the other ranks; NCCL's watchdog ending the process). So z3ext
+reads the timeout of every group it issues collectives on (the engine's, each parameter's, hpZ's, the gradient
+norm's; a group DeepSpeed makes by `new_group` without a timeout, as its hpZ groups and its data-parallel clone,
+has torch's default, not the world's) and takes the smallest, `timeout`. A collective pending for
+`deadline = timeout - max(5 s, 10 %)` (at most half the timeout off) ends in `RankTimeoutError` on every rank:
+the margin covers a poll, the reports' exchange and the delivery, so the named error comes before the backend's.
+Until then `hang_timeout` is the interval at which every rank logs a warning naming the late rank and where it
+is, and training goes on ([Note: hang watchdog] in watchdog.py).
 
 torch 2.13 keeps a group's timeout in each backend's options (`group._get_backend(device).options._timeout`,
 gloo and NCCL alike; `_set_pg_timeout` changes it there); where a backend has none readable, torch's default for
