@@ -14,8 +14,8 @@ from deepspeed_z3ext._ops import ops as _ops
 from deepspeed_z3ext.aio import aio_handle
 from deepspeed_z3ext.config import Z3extConfig
 from deepspeed_z3ext.claims import ClaimError
-from deepspeed_z3ext.errors import (AioError, GradientError, WeightsError, Z3extActivationError, Z3extConfigError, Z3extError,
-                                    Z3extLauncherError)
+from deepspeed_z3ext.errors import (AioError, GradientError, LeakError, WeightsError, Z3extActivationError, Z3extConfigError,
+                                    Z3extError, Z3extLauncherError)
 from deepspeed_z3ext.fallback import FallbackStats, fallback_of
 from deepspeed_z3ext.generation import release_resident, resident
 from deepspeed_z3ext.schedule import ScheduleMismatchError
@@ -51,5 +51,5 @@ def __getattr__(name):
 
 
 __all__ = ["stats", "grad_stats", "Z3extStats", "Z3extConfig", "Z3extError", "Z3extConfigError", "Z3extActivationError", "Z3extLauncherError", "GradientError", "ClaimError", "ClaimKind", "fallback_of",
-           "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "resident", "release_resident", "aio_handle", "AioError", "install",
+           "FallbackStats", "ScheduleMismatchError", "RankTimeoutError", "LeakError", "resident", "release_resident", "aio_handle", "AioError", "install",
            "uninstall", "installed", "full_weights", "FullWeight", "WeightsError"]

@@ -116,9 +116,12 @@ class Z3extConfig(BaseModel):
     all-gather per collective. No effect on NCCL."""
 
     hang_timeout: float = Field(60.0, ge=0)
-    """Seconds a z3ext collective may stay incomplete before every rank raises an error naming, for each rank,
-    the first collective where they differ and its module, or the rank that has not arrived and where it is
-    ([Note: hang watchdog] in watchdog.py); 0: no watchdog."""
+    """Seconds a z3ext collective may stay incomplete before the ranks compare what they did: where they differ
+    (another module, other sizes, different collectives waited in) every rank raises at once, naming each rank's
+    module; where a rank is late (a rank-0-only checkpoint write, a rank stuck) every rank logs a warning naming
+    it and where it is, once per this many seconds, and training goes on until the process group's own timeout
+    less a margin, when every rank raises `RankTimeoutError` before the backend's error ([Note: hang watchdog] in
+    watchdog.py, [Note: the deadline is the group's] in deadline.py); 0: no watchdog."""
 
     compile_fallback: StrictBool = True
     """With DeepCompile: parameters read by frames Dynamo skipped are gathered with fallback claims

@@ -18,3 +18,9 @@ class GradientError(Z3extError, RuntimeError):
 class WeightsError(Z3extError, ValueError):
     """A `full_weights` request it cannot serve (bucket_bytes, an unknown name, partitions on NVMe or
     quantized); the message names what."""
+
+
+class LeakError(Z3extError, RuntimeError):
+    """`leak_check` found a parameter gathered without a claim, or released but still referenced, on some rank;
+    raised on every rank, the first line naming the leaking rank and parameter (leaks.py). A RuntimeError, as
+    it was."""

@@ -665,7 +665,7 @@ class GradReducer:
         params = layout.params
         late = len(params)
         mine = [arrival.get(p.ds_id, late) for p in params]
-        rows = self._agreement.all_gather(mine, kind=7) if self._agreement.world > 1 else [mine]
+        rows = self._agreement.all_gather(mine, kind=8) if self._agreement.world > 1 else [mine]
         first = [min(col) for col in zip(*rows)]
         order = sorted(range(len(params)), key=lambda i: (first[i], -params[i].ds_id))
         self.layout = _make_layout(optimizer, layout.key, self.bucket_size, [params[i] for i in order])

@@ -77,7 +77,7 @@ def _device(group):
 
 KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph deaths", 4: "the schedule check",
          5: "an exchange of call arguments", 6: "the gradient norm's all-reduce",
-         7: "an exchange of gradient arrival order"}
+         7: "the leak check's exchange", 8: "an exchange of gradient arrival order"}
 
 
 class Preagreement:

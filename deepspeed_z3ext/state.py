@@ -123,7 +123,8 @@ class Z3extState:
             self.agreement.progress = progress
             try:
                 self.watchdog = watchdog.Watchdog(progress, self.agreement.group, config.hang_timeout,
-                                                  lambda: {h.ds_id: h.name for h in self.engine.handles})
+                                                  lambda: {h.ds_id: h.name for h in self.engine.handles},
+                                                  self.issued_groups)
             except Exception as e:  # noqa: BLE001 (no store to reach the other ranks through: no watchdog)
                 from deepspeed.utils import logger
                 logger.warning(f"z3ext: no hang watchdog ({type(e).__name__}: {e}); hang_timeout has no effect")
@@ -273,21 +274,24 @@ class Z3extState:
         self.coordinator = None
         self.grad_reducer = None
 
+    def issued_groups(self) -> list:
+        """Every process group this engine's collectives go over, once: the engine's, each parameter's, hpZ's, the
+        gradient norm's, the votes' gloo world ([Note: the deadline is the group's] in deadline.py)."""
+        found = {}
+        candidates = [self.agreement.group, schedule._HOST_WORLD or None]
+        for p in self.params:
+            candidates.append(group_of(p))
+            if getattr(p, "ds_secondary_tensor_group_size", 1) > 1:  # hpZ ([Note: hpZ secondary partition])
+                candidates.append(getattr(p, "ds_zero_param_process_group", None))
+        if self.grad_reducer and self.grad_reducer.norm_group is not None:
+            candidates.append(self.grad_reducer.norm_group[0])
+        for g in candidates:
+            if g is not None:
+                found.setdefault(id(g), g)
+        return list(found.values())
+
     def check_leaks(self, when):
-        """Raises naming parameters gathered without a claim, or whose released (empty) gathered storage is
-        still referenced outside z3ext: a view kept past its release, whose reads raise ([Note: true release])."""
-        gathered = ops().ParamState.GATHERED
-        unclaimed = [h.name for h in self.engine.handles if h.state == gathered and not h.claims]
-        leaked = self.engine.stale_references()
-        # Decided on every rank together ([Note: arguments that must agree] in schedule.py): a rank that
-        # raised alone would leave the others in their next collective.
-        counts = self.agreement.all_gather([len(unclaimed), len(set(leaked))]) if self.agreement.world > 1 else [
-            [len(unclaimed), len(set(leaked))]]
-        if any(sum(c) for c in counts):
-            ranks = ", ".join(f"rank {r}: {c[0]} gathered without a claim, {c[1]} referenced"
-                              for r, c in enumerate(counts) if sum(c))
-            raise RuntimeError(f"z3ext leak check ({when}; {ranks}): on this rank (rank {self.agreement.rank}): " +
-                               (f"gathered without a claim: {unclaimed}; " if unclaimed else "") +
-                               (f"released but still referenced elsewhere (a view kept from a forward or a "
-                                f"GatheredParameters block? it holds no memory, and reading it raises): "
-                                f"{sorted(set(leaked))}" if leaked else ""))
+        """Raises `LeakError` on every rank naming parameters gathered without a claim, or whose released (empty)
+        gathered storage is still referenced outside z3ext ([Note: a leak named on every rank] in leaks.py)."""
+        from deepspeed_z3ext import leaks
+        leaks.check(self, when)

@@ -81,6 +81,7 @@ DEFAULT_TIER = (
     "test_faults.py::test_a_fault_on_one_rank_ends_in_an_error_on_every_rank",
     "test_watchdog.py::test_a_rank_stuck_in_user_code_is_named_on_every_rank[2-no-agree]",
     "test_watchdog.py::test_the_verdict_names_the_first_difference",
+    "test_deadline.py::test_the_deadline_is_the_group_timeout_less_a_margin[30-25]",
     "test_generation.py::test_memory_efficient_linear_is_stocks_bits_without_its_python_function",
     "test_hf.py::test_hf_trainer_full_finetune",
     "test_trl.py::test_sft",

@@ -7,7 +7,8 @@ from each GPU's free memory, or decides something on one rank:
   closed connection on the next token's gathers);
 - `full_weights(engine, bucket_bytes)` with another bucket size per rank: the same buckets everywhere; with
   other parameter names per rank: `ScheduleMismatchError` on every rank, naming each rank's values;
-- `leak_check` where only rank 0 keeps a released tensor: every rank raises at the step, naming rank 0.
+- `leak_check` where only rank 0 keeps a released tensor: every rank raises `LeakError` at the step, its first
+  line naming rank 0 and the parameter.
 Each under a hard timeout: a divergence would hang or abort instead.
 """
 import pytest
@@ -91,6 +92,7 @@ def test_full_weights_names_differing_by_rank_raise_on_every_rank():
 def leak_on_rank0():
     import deepspeed
     import torch.distributed as dist
+    import deepspeed_z3ext
     from tests.models import batch
     rank = dist.get_rank()
     engine = _engine(options={"leak_check": True})
@@ -105,16 +107,19 @@ def leak_on_rank0():
     try:
         engine.step()
         return None
-    except RuntimeError as e:
-        return str(e) + f" | kept {kept is not None}"
+    except deepspeed_z3ext.Z3extError as e:
+        return dict(name=type(e).__name__, runtime=isinstance(e, RuntimeError), message=str(e), kept=kept is not None)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_leak_check_on_one_rank_raises_on_every_rank(world):
-    messages = run_on_ranks(leak_on_rank0, world_size=world, timeout=TIMEOUT * world // 2, pg_timeout=60)
-    for rank, msg in enumerate(messages):
-        assert msg is not None and "leak check" in msg and "rank 0: 0 gathered without a claim, 1 referenced" in msg, \
-            (rank, msg)
-    assert "blocks.1.fc2.weight" in messages[0], messages[0]
-    for msg in messages[1:]:
-        assert "blocks.1.fc2.weight" not in msg.split("|")[0].split("on this rank")[1], messages
+    """Rank 0 alone keeps a released parameter: every rank raises `LeakError` (a RuntimeError, as before), its
+    first line naming rank 0 and the parameter, on the ranks that did not leak too."""
+    results = run_on_ranks(leak_on_rank0, world_size=world, timeout=TIMEOUT * world // 2, pg_timeout=60)
+    for rank, r in enumerate(results):
+        assert r is not None and r["name"] == "LeakError" and r["runtime"], (rank, r)
+        first = r["message"].splitlines()[0]
+        assert first == ("z3ext leak check (at the optimizer step): rank 0: 1 released but still referenced: "
+                         "parameter 'blocks.1.fc2.weight'"), (rank, first)
+        assert f"(rank {rank} here)" in r["message"], (rank, r["message"])
+    assert results[0]["kept"] and not any(r["kept"] for r in results[1:]), results

@@ -1,16 +1,19 @@
-"""A collective that one rank never issues ends, within `z3ext.hang_timeout`, in a named error on every rank
-([Note: hang watchdog] in deepspeed_z3ext/watchdog.py), not in a hang.
+"""A collective that one rank never issues ends in a named error on every rank before the process group's own
+timeout fires ([Note: hang watchdog] in deepspeed_z3ext/watchdog.py, [Note: the deadline is the group's] in
+deepspeed_z3ext/deadline.py), not in a hang nor in the backend's error.
 
-On real gloo ranks, each run under a hard timeout, with `hang_timeout` 3 s:
-- a rank stuck in user code (a Python loop) while the others wait in the next forward's all-gather: with the
-  pre-agreement on (the waiting is then in its exchange) and off (in the all-gather itself: NCCL's case, as
-  far as gloo shows it), at 2 and 4 ranks;
+On real gloo ranks, each run under a hard timeout, with a group timeout of 30 s (the deadline 25 s) and
+`hang_timeout` 3 s (the warnings' interval):
+- a rank stuck in user code (a Python loop) past the group's timeout while the others wait in the next forward's
+  all-gather: with the pre-agreement on (the waiting is then in its exchange) and off (in the all-gather itself:
+  NCCL's case, as far as gloo shows it), at 2 and 4 ranks;
 - one rank runs an extra forward at the end while the others have stopped (pre-agreement off);
-- one rank's gather runs out of memory, the rank catches it and retries (the step's check names it: the
-  schedules realign a batch apart).
-Every rank, the stuck one included, raises a z3ext error naming the rank that has not arrived, where it is,
-and the module the others wait for, within the bound. The verdict itself (which rank, which collective) is
-checked on reports made by hand.
+- one rank's gather runs out of memory, the rank catches it and retries (a certain divergence: raised at once,
+  or by the step's check: the schedules realign a batch apart).
+Every rank, the stuck one included, raises a z3ext error whose first line names the rank that has not arrived
+and the collective the others wait in, after the deadline and before the group's timeout; the stuck rank is
+named with where it is. The verdict itself (which rank, which collective, warning or error) is checked on
+reports made by hand.
 """
 import time
 
@@ -19,7 +22,8 @@ import pytest
 from tests.harness import on_gpu, run_on_ranks
 
 HANG = 3.0
-BOUND = HANG + 4.0  # two polls (0.75 s each), the reports' exchange, a slice of the host wait, a loaded machine
+PG_TIMEOUT = 30
+DEADLINE = PG_TIMEOUT - 5  # [Note: the deadline is the group's]
 
 
 def _engine(agree=True, **z3ext):
@@ -34,53 +38,92 @@ def _user_code(seconds):
         time.sleep(0.05)
 
 
-def stuck(agree):
-    """The last rank stays in user code at step 3 for 5 x hang_timeout; returns (error name, message, seconds
-    from step 3's start to the error)."""
+def stuck(agree, hpz=False):
+    """The last rank stays in user code at step 3 for twice the group's timeout; returns (error name, message,
+    seconds from step 3's start to the error, warnings logged before it). `hpz`: ZeRO++ hpZ over nodes of 2."""
     import torch.distributed as dist
     import deepspeed_z3ext
     from tests.models import batch
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = _engine(agree)
+    if hpz:
+        from tests.test_hpz import _build, _config
+        engine = _build(_config({"enabled": True, "agree_before_collectives": agree, "hang_timeout": HANG}))
+    else:
+        engine = _engine(agree)
     t0 = None
     try:
         for i in range(6):
             if i == 3:
                 t0 = time.monotonic()
                 if rank == world - 1:
-                    _user_code(5 * HANG)
+                    _user_code(2 * PG_TIMEOUT)
             x = batch(i, rank)
             engine.backward(engine(x.cuda() if on_gpu() else x))
             engine.step()
-        return ("finished", "", 0.0)
-    except deepspeed_z3ext.Z3extError as e:
-        return (type(e).__name__, str(e), time.monotonic() - t0)
+        return ("finished", "", 0.0, _warned(engine), _groups(engine))
+    except BaseException as e:  # a z3ext error, or the backend's (which the test names)
+        return (type(e).__name__, str(e), time.monotonic() - t0, _warned(engine), _groups(engine))
+
+
+def _warned(engine):
+    from deepspeed_z3ext import state
+    return state.of_engine(engine).watchdog.warnings
+
+
+def _groups(engine):
+    """The NCCL groups the engine issues on (how many, their sizes) and how many the watchdog aborted."""
+    import torch.distributed as dist
+    from deepspeed_z3ext import state
+    st = state.of_engine(engine)
+    nccl = [dist.get_world_size(g) for g in st.issued_groups() if dist.get_backend(g) == "nccl"]
+    return dict(nccl=len(nccl), sizes=sorted(nccl), aborted=st.watchdog.aborted_groups)
 
 
 def _check_stuck(out, world):
     late = world - 1
-    for rank, (name, msg, seconds) in enumerate(out):
+    print("seconds to the error by rank:", [round(o[2], 1) for o in out], "warnings:", [o[3] for o in out])
+    for rank, (name, msg, seconds, warned, _) in enumerate(out):
         assert name == "RankTimeoutError", (rank, name, msg)
+        first = msg.splitlines()[0]
+        assert first.startswith(f"z3ext: rank {late} kept collective #") and "waiting" in first, (rank, first)
+        assert "an all-gather" in first or "exchange" in first or "reduce-scatter" in first, first
         assert f"rank {late}: has not arrived at collective #" in msg, (rank, msg)
         assert "test_watchdog.py" in msg and "_user_code" in msg, (rank, msg)  # where the stuck rank is
         assert all(f"rank {r}: waiting in collective #" in msg for r in range(late)), (rank, msg)
-        assert "an all-gather" in msg or "exchange" in msg or "reduce-scatter" in msg, msg
-        assert seconds < BOUND, f"rank {rank} raised {seconds:.1f}s after the stall began: {msg}"
-    assert len({m for _, m, _ in out}) == 1, [m for _, m, _ in out]  # every rank names the same thing
+        # after the deadline (less a poll), before the group's timeout: the backend's error never came
+        assert DEADLINE - 1 < seconds < PG_TIMEOUT, f"rank {rank} raised {seconds:.1f}s after the stall began: {msg}"
+        assert warned >= 2, (rank, warned)  # warned every hang_timeout until the deadline
+    assert len({o[1] for o in out}) == 1, [o[1] for o in out]  # every rank names the same thing
 
 
 @pytest.mark.parametrize("world,agree", [(2, True), (2, False), (4, True)],
                          ids=["2-agree", "2-no-agree", "4-agree"])
 def test_a_rank_stuck_in_user_code_is_named_on_every_rank(world, agree):
-    _check_stuck(run_on_ranks(stuck, world_size=world, timeout=120 * world // 2, pg_timeout=120, agree=agree), world)
+    _check_stuck(run_on_ranks(stuck, world_size=world, timeout=90 * world // 2 + 30, pg_timeout=PG_TIMEOUT,
+                              agree=agree), world)
 
 
 @pytest.mark.gpus(2)
 def test_a_rank_stuck_in_user_code_is_named_on_gpus():
     """On NCCL the waiting rank's host does not wait: the watchdog sees the gather's fence pending, names the rank
-    and aborts the group; as ranks on one GPU (gloo) the fences are real, the waits the host's."""
-    out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=120, agree=False)
+    and aborts every group z3ext issues on; as ranks on one GPU (gloo) the fences are real, the waits the
+    host's."""
+    out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=PG_TIMEOUT, agree=False)
     _check_stuck(out, len(out))
+
+
+@pytest.mark.gpus(2)
+def test_a_rank_stuck_with_hpz_on_gpus_aborts_every_group_z3ext_issues_on():
+    """On NCCL a host blocked behind any of z3ext's groups (the engine's, DeepSpeed's data-parallel clone, hpZ's)
+    returns only when that group is aborted: every rank raises the named error before the group's timeout, and
+    the watchdog aborted each NCCL group the engine issues on and the world's."""
+    from tests.harness import skip_on_one_gpu
+    skip_on_one_gpu("NCCL's abort is what is tested")
+    out = run_on_ranks(stuck, backend="nccl", timeout=240, pg_timeout=PG_TIMEOUT, agree=False, hpz=True)
+    _check_stuck(out, len(out))
+    for rank, (*_, groups) in enumerate(out):
+        assert 2 in groups["sizes"] and groups["nccl"] >= 2, (rank, groups)  # the engine's and hpZ's at least
+        assert groups["aborted"] >= groups["nccl"], (rank, groups)
 
 
 def extra_forward_at_the_end():
@@ -99,19 +142,20 @@ def extra_forward_at_the_end():
         if rank == 0:
             engine(batch(9, rank))
         else:
-            _user_code(5 * HANG)
+            _user_code(2 * PG_TIMEOUT)
         return ("finished", "", 0.0)
     except deepspeed_z3ext.Z3extError as e:
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
 
 def test_an_extra_forward_on_one_rank_names_the_module_it_waits_for():
-    out = run_on_ranks(extra_forward_at_the_end, world_size=2, timeout=120, pg_timeout=120)
+    out = run_on_ranks(extra_forward_at_the_end, world_size=2, timeout=120, pg_timeout=PG_TIMEOUT)
     for rank, (name, msg, seconds) in enumerate(out):
         assert name == "RankTimeoutError", (rank, name, msg)
+        assert msg.startswith("z3ext: rank 1 kept collective #"), msg
         assert "rank 0: waiting in collective #" in msg and "an all-gather" in msg and "from module '" in msg, msg
         assert "rank 1: has not arrived at collective #" in msg, msg
-        assert seconds < BOUND, (rank, seconds, msg)
+        assert DEADLINE - 1 < seconds < PG_TIMEOUT, (rank, seconds, msg)
 
 
 def oom_then_retry():
@@ -151,41 +195,70 @@ def oom_then_retry():
 def test_an_out_of_memory_on_one_rank_then_a_retry_ends_in_a_named_error(world):
     from tests.faults import allocator
     allocator()
-    out = run_on_ranks(oom_then_retry, world_size=world, timeout=120 * world // 2, pg_timeout=120)
+    out = run_on_ranks(oom_then_retry, world_size=world, timeout=120 * world // 2, pg_timeout=PG_TIMEOUT)
     assert out[1][3] == [1] and all(o[3] == [] for r, o in enumerate(out) if r != 1), out
     for rank, (name, msg, seconds, _) in enumerate(out):
         assert name in ("ScheduleMismatchError", "RankTimeoutError"), (rank, name, msg)
         # the module where the ranks' collectives differ, or (schedules realigned a batch apart) the rank that raised
-        assert "module '" in msg or ("an op raised on some ranks only" in msg and "rank 1: 1" in msg), (rank, msg)
-        assert seconds < BOUND, (rank, seconds, msg)
+        first = msg.splitlines()[0]
+        assert "module '" in first or ("an op raised on some ranks only" in first and "rank 1: 1" in first), (rank, msg)
+        assert seconds < PG_TIMEOUT, (rank, seconds, msg)
 
 
 def test_the_verdict_names_the_first_difference_the_late_rank_and_the_silent_one():
+    from deepspeed_z3ext.deadline import Deadline
     from deepspeed_z3ext.schedule import ScheduleMismatchError
     from deepspeed_z3ext.watchdog import RankTimeoutError, verdict
     names = {3: "blocks.0.fc1.weight", 7: "blocks.1.fc1.weight", 9: "head.weight"}
+    deadline = Deadline(timeout=30.0, deadline=25.0, interval=3.0)
 
-    def rec(index, ds_id, state=0, kind=1):
-        return [index, kind, 0, ds_id, 64, 1, 1.0, state]
+    def rec(index, ds_id, state=0, kind=1, numel=64, age=1.0):
+        return [index, kind, 0, ds_id, numel, 1, age, state]
+
+    def rep(issued, records, stalled=4.0, since=-1, where=""):
+        return dict(issued=issued, since=since, stalled=stalled, records=records, where=where)
 
     same = [rec(10, 3), rec(11, 7)]
-    # rank 1 gathered another module at #12: a mismatch, named by module on both ranks
-    reports = {0: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="a"),
-               1: dict(issued=13, since=-1, records=same + [rec(12, 3, 1)], where="b")}
-    cls, msg = verdict(reports, 2, 3.0, names)
+    # rank 1 gathered another module at #12: a certain divergence, named by module on both ranks, at once
+    reports = {0: rep(13, same + [rec(12, 9, 1)]), 1: rep(13, same + [rec(12, 3, 1)])}
+    cls, msg = verdict(reports, 2, deadline, names)
     assert cls is ScheduleMismatchError and "#12" in msg and "'head'" in msg and "'blocks.0.fc1'" in msg, msg
-    # rank 1 stopped after #11; rank 2 did not answer
-    reports = {0: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="a"),
-               1: dict(issued=12, since=5.0, records=same, where="train.py:7 in loop")}
-    cls, msg = verdict(reports, 3, 3.0, names)
+    # the same module, other sizes: at once too
+    reports = {0: rep(13, same + [rec(12, 9, 1)]), 1: rep(13, same + [rec(12, 9, 1, numel=32)])}
+    cls, msg = verdict(reports, 2, deadline, names)
+    assert cls is ScheduleMismatchError and "#12" in msg, msg
+    # every rank waiting, in different collectives (their records agree where both have one), for longer than an
+    # interval: at once
+    reports = {0: rep(13, same + [rec(12, 9, 1, age=4.0)]), 1: rep(12, [rec(10, 3), rec(11, 7, 1, age=4.0)])}
+    cls, msg = verdict(reports, 2, deadline, names)
+    assert cls is ScheduleMismatchError and msg.startswith("z3ext: the ranks wait in different collectives"), msg
+    assert "rank 0: #12" in msg and "rank 1: #11" in msg, msg
+    # ... but one wait is younger: the late rank may have just arrived, left #11 and waits in #12: a warning
+    reports[0]["records"][-1][6] = 0.2
+    cls, msg = verdict(reports, 2, deadline, names)
+    assert cls is None and "late" in msg, msg
+    # rank 1 stopped after #11, rank 2 did not answer: before the deadline a warning naming them ...
+    reports = {0: rep(13, same + [rec(12, 9, 1)]), 1: rep(12, same, stalled=0.0, since=5.0, where="train.py:7 in loop")}
+    cls, msg = verdict(reports, 3, deadline, names)
+    assert cls is None and msg.startswith("z3ext: ranks 1, 2 late: collective #12"), msg
+    assert "train.py:7 in loop" in msg and "Training goes on" in msg and "at 25s" in msg, msg
+    # ... past it, the error: its first line names the late ranks and the collective
+    reports[0]["stalled"] = 25.5
+    cls, msg = verdict(reports, 3, deadline, names)
     assert cls is RankTimeoutError, msg
+    first = msg.splitlines()[0]
+    assert first.startswith("z3ext: ranks 1, 2 kept collective #12") and "'head'" in first, first
+    assert "the process group's timeout of 30s" in first, first
     assert "rank 0: waiting in collective #12" in msg and "'head'" in msg, msg
     assert "rank 1: has not arrived at collective #12" in msg and "train.py:7 in loop" in msg, msg
     assert "rank 2: did not answer" in msg, msg
-    # every rank in the same collective: slow, not diverged (no error)
-    reports = {r: dict(issued=13, since=-1, records=same + [rec(12, 9, 1)], where="") for r in range(2)}
-    cls, msg = verdict(reports, 2, 3.0, names)
+    # every rank in the same collective: slow, not diverged (a warning); past the deadline, the error
+    reports = {r: rep(13, same + [rec(12, 9, 1)]) for r in range(2)}
+    cls, msg = verdict(reports, 2, deadline, names)
     assert cls is None and "slow, not diverged" in msg, msg
+    reports[1]["stalled"] = 26.0
+    cls, msg = verdict(reports, 2, deadline, names)
+    assert cls is RankTimeoutError and "did not complete on any rank" in msg.splitlines()[0], msg
 
 
 def exit_teardown():
