@@ -125,11 +125,13 @@ def heads_by_rank(pattern, ga, heads, bucket=None, systems=("reference", "z3ext"
             for name, r in out.items() if name != "reference"}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pattern,ga", [("a-or-b", 1), ("no-head-on-one", 1), ("alternating", 2),
-                                        ("one-rank-one-step", 2)])
-@pytest.mark.parametrize("heads", ["modules", "one-module"])
-def test_heads_used_by_some_ranks_train_to_ddps_numbers(pattern, ga, heads, world):
+CASES = [(heads, pattern, ga, 2) for heads in ("one-module", "modules")
+         for pattern, ga in (("a-or-b", 1), ("no-head-on-one", 1), ("alternating", 2), ("one-rank-one-step", 2))]
+CASES += [("modules", "a-or-b", 1, 4), ("one-module", "alternating", 2, 4), ("modules", "no-head-on-one", 1, 4)]
+
+
+@pytest.mark.parametrize("heads,pattern,ga,world", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_heads_used_by_some_ranks_train_to_ddps_numbers(heads, pattern, ga, world):
     # Stock without the workaround, where it trains at all (one module of heads, a head per rank): silently wrong.
     stock = heads == "one-module" and pattern == "a-or-b"
     systems = ("reference", "z3ext", "stock") if stock else ("reference", "z3ext")
