@@ -15,9 +15,17 @@ marked by hand (tests/test_conditional.py).
 
 A block is found structurally: a list or dict of at least two experts of one type and equal parameter
 shapes, and, within three levels above it and outside it, a router: a 2-D parameter of shape
-(experts, d) where d is a dimension of the experts' parameters (`nn.Linear(d, experts)`). The smallest
-module holding both is the block; the root never is (a model-wide leaf would gather the whole model), nor a
-module inside a z3 leaf already. Fused experts (one parameter per projection, HF Mixtral / Qwen3-MoE in
+(experts, d) or (d, experts) where d is a dimension of the experts' parameters (`nn.Linear(d, experts)`, or a
+raw matrix either way round), and no embedding table (a position table of as many rows as a model has layers
+is no router). The smallest module holding both is the block (the root too: an MoE layer trained alone), never
+a module inside a z3 leaf already. The guess is bounded ([Note: a bounded guess]).
+
+[Note: a bounded guess] The structure is a guess, and a wrong one (a plain stack of layers beside a raw
+parameter that looks like a router) would gather everything under the holder at once. So a block larger than
+a fetch group may be (`z3ext.fetch_group_numel`, default half of `stage3_max_live_parameters`: what z3ext
+already gathers at once as a group of modules) is not made a unit, and the log says so; a wrong guess costs at
+most what a fetch group costs, never the whole of a model larger than that, and never correctness: gradients do
+not depend on units ([Note: fixed gradient layout] in grads.py). Fused experts (one parameter per projection, HF Mixtral / Qwen3-MoE in
 transformers 5) need nothing: every rank runs the same modules.
 
 Memory: the block is gathered whole while it runs (and held for backward like any unit), so the live
@@ -40,7 +48,7 @@ way, tests/test_conditional.py). It costs C's
 gather in every forward of the parent, and C's memory for that whole forward. C must run inside its
 parent's forward (the parent's unit is gathered only then).
 """
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch.nn as nn
 from deepspeed.utils import log_dist, logger, set_z3_leaf_module, z3_leaf_module
@@ -81,17 +89,19 @@ def _experts(container):
 
 def _has_router(holder, container, n, dims) -> bool:
     inside = {id(p) for p in container.parameters()}
+    inside.update(id(p) for m in holder.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
     for p in holder.parameters():
         if id(p) in inside:
             continue
         shape = _shape(p)
-        if len(shape) == 2 and shape[0] == n and shape[1] in dims:
+        if len(shape) == 2 and ((shape[0] == n and shape[1] in dims) or (shape[1] == n and shape[0] in dims)):
             return True
     return False
 
 
-def find(root: nn.Module) -> List[ConditionalBlock]:
-    """The conditional blocks of `root` ([Note: conditional blocks]), outermost first, none nested."""
+def find(root: nn.Module, max_numel: Optional[int] = None) -> List[ConditionalBlock]:
+    """The conditional blocks of `root` ([Note: conditional blocks]), outermost first, none nested; none of
+    more than `max_numel` elements ([Note: a bounded guess])."""
     names = {id(m): n for n, m in root.named_modules()}
     parents = {id(c): m for m in root.modules() for c in m.children()}
     found, taken = [], set()
@@ -104,7 +114,7 @@ def find(root: nn.Module) -> List[ConditionalBlock]:
         holder, level = parents.get(id(container)), 1
         while holder is not None and level <= _LEVELS and not _has_router(holder, container, n, dims):
             holder, level = parents.get(id(holder)), level + 1
-        if holder is None or level > _LEVELS or holder is root or id(holder) in taken:
+        if holder is None or level > _LEVELS or id(holder) in taken:
             continue
         chain, up = [holder], parents.get(id(holder))
         while up is not None:
@@ -114,15 +124,22 @@ def find(root: nn.Module) -> List[ConditionalBlock]:
             continue  # marked by hand, or inside a block found already
         if any(z3_leaf_module(m) for m in holder.modules()):
             continue  # a leaf inside: the user chose the unit
+        numel = sum(_numel(p) for p in holder.parameters())
+        if max_numel is not None and numel > max_numel:
+            log_dist(f"z3ext: {names.get(id(holder)) or '<root>'} ({type(holder).__name__}, {numel} elements) looks like a "
+                     f"mixture-of-experts block but is larger than a fetch group ({max_numel} elements): not gathered as "
+                     "one unit ([Note: a bounded guess]); if its experts run on some ranks only, mark it with "
+                     "deepspeed.utils.set_z3_leaf_modules", ranks=[0])
+            continue
         taken.update(id(m) for m in holder.modules())
-        found.append(ConditionalBlock(names.get(id(holder), "?"), holder, n,
-                                      sum(_numel(p) for p in holder.parameters())))
+        found.append(ConditionalBlock(names.get(id(holder)) or "<root>", holder, n, numel))
     return found
 
 
-def mark(root: nn.Module) -> List[ConditionalBlock]:
-    """Marks each conditional block of `root` a z3 leaf module, logs them (rank 0), returns them."""
-    blocks = find(root)
+def mark(root: nn.Module, max_numel: Optional[int] = None) -> List[ConditionalBlock]:
+    """Marks each conditional block of `root` (of at most `max_numel` elements) a z3 leaf module, logs them
+    (rank 0), returns them."""
+    blocks = find(root, max_numel)
     for b in blocks:
         set_z3_leaf_module(b.block, True)
     if blocks:

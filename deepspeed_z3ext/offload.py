@@ -57,7 +57,9 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         # Before the hooks: a mixture-of-experts block's unit is decided now ([Note: conditional blocks]).
         # stage3_module_granularity_threshold makes DeepSpeed choose the leaves (in its __init__): it decides.
         detect = z3ext_config.conditional_blocks and not kwargs.get("zero_module_granularity_threshold", 0)
-        blocks = conditional.mark(module) if detect else []
+        live = kwargs.get("max_live_parameters", 1_000_000_000)
+        bound = z3ext_config.fetch_group_numel or max(1, int(live) // 2)  # [Note: a bounded guess]
+        blocks = conditional.mark(module, bound) if detect else []
         skipped = conditional.mark_modules(module, z3ext_config.conditional_modules)  # [Note: conditional modules]
         super().__init__(module, timers, ds_config, *args, **kwargs)
         conditional.warn_over_budget(blocks, self._max_available_parameters_in_numel)

@@ -265,9 +265,46 @@ def test_detection_finds_expert_blocks_only():
     found = conditional.find(model)
     assert [b.name for b in found] == ["layers.0.moe", "layers.1.moe"], found
     assert all(b.experts == EXPERTS for b in found)
-    assert conditional.find(TinyGPT(layers=16, seq=16)) == []  # layers beside a (16, 32) position table: no router
-    stack = nn.Sequential(nn.Linear(4, 2), nn.ModuleList(nn.Linear(4, 4) for _ in range(2)))
-    assert conditional.find(stack) == []  # the root is never a block
+    # 16 layers beside a (16, 32) position table look like experts and a router: bounded by a fetch group
+    # ([Note: a bounded guess]), never gathered whole when larger
+    gpt = TinyGPT(layers=16, seq=16)
+    assert conditional.find(gpt, sum(p.numel() for p in gpt.parameters()) // 2) == []
+    moe_at_root = nn.Sequential(nn.Linear(4, 2), nn.ModuleList(nn.Linear(4, 4) for _ in range(2)))
+    assert [(b.name, b.experts) for b in conditional.find(moe_at_root)] == [("<root>", 2)]
+
+    class RouterDE(nn.Module):  # the router stored (d, experts), applied as x @ router
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Parameter(torch.zeros(8, 3))
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    import torch
+    assert [(b.name, b.experts) for b in conditional.find(nn.Sequential(RouterDE()))] == [("0", 3)]
+
+
+@pytest.mark.parametrize("layers", [2, 8, 16, 48])
+def test_a_plain_model_of_any_depth_is_never_one_unit(layers):
+    """A stack of as many layers as a raw (layers, d) parameter has rows looks like experts beside a router
+    ([Note: a bounded guess] in conditional.py): wrapped the way HF wraps a model, no unit larger than a fetch
+    group is made of it, so the model is never gathered whole; with the table an nn.Embedding it is no router."""
+    import torch.nn as nn
+    from deepspeed_z3ext import conditional
+    from tests.models import TinyGPT
+
+    class Wrapper(nn.Module):  # e.g. XForCausalLM around XModel
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner
+
+    model = Wrapper(TinyGPT(layers=layers, seq=layers))
+    total = sum(p.numel() for p in model.parameters())
+    for bound in (total // 2, total // layers):
+        assert all(b.numel <= bound for b in conditional.find(model, bound)), bound
+    assert conditional.find(model, total // 2) == []
+    embedded = Wrapper(TinyGPT(layers=layers, seq=layers))
+    embedded.model.pos = None
+    embedded.model.pos_table = nn.Embedding(layers, 32)
+    assert conditional.find(embedded) == []
 
 
 # -- a module some ranks skip ([Note: conditional modules]) ------------------------------------------
