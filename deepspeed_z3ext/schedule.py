@@ -77,7 +77,8 @@ def _device(group):
 
 KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph deaths", 4: "the schedule check",
          5: "an exchange of call arguments", 6: "the gradient norm's all-reduce",
-         7: "the leak check's exchange", 8: "an exchange of gradient arrival order"}
+         7: "the leak check's exchange", 8: "an exchange of gradient arrival order",
+         9: "a collective of full_weights (its arguments' exchange or a bucket's all-gather)"}
 
 
 class Preagreement:
@@ -201,12 +202,12 @@ class RankAgreement:
                 _HOST_WORLD = False
         return _HOST_WORLD or self.group
 
-    def agreed(self, what: str, values: List[int], minimum: Optional[int] = None) -> List[List[int]]:
+    def agreed(self, what: str, values: List[int], minimum: Optional[int] = None, kind: int = 5) -> List[List[int]]:
         """Every rank's `values` (one tiny all-gather) for a call whose arguments shape the schedule
         ([Note: arguments that must agree]). Where they differ: with `minimum` (an index into `values`) the
         caller takes the smallest at that index (logged once per call site on rank 0), and any other
         difference raises `ScheduleMismatchError` on every rank, naming each rank's values."""
-        rows = self.all_gather(values, kind=5) if self.world > 1 else [list(values)]
+        rows = self.all_gather(values, kind=kind) if self.world > 1 else [list(values)]
         if all(r == rows[0] for r in rows):
             return rows
         rest = [[v for i, v in enumerate(r) if i != minimum] for r in rows]

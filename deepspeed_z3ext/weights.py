@@ -15,6 +15,13 @@ same partitions; a persistent or held parameter is gathered from them again afte
 inside a GatheredParameters block with `modifier_rank` are seen once the block has written them back.
 ZeRO++ hpZ's secondary partitions are not read: the primary one is gathered over the parameter's group.
 
+[Note: full_weights is a z3ext collective] For a z3ext engine's parameters, the arguments' exchange and every
+bucket's all-gather go through the engine's agreement like its own collectives ([Note: agree before the
+collective] in csrc/agreement.h, the watchdog): a rank that calls `full_weights` while another trains on (a
+rank-0-only export) makes every rank raise `ScheduleMismatchError` naming full_weights and what the other rank
+was about to do (gloo), or the watchdog's error at the deadline, never a collective of other sizes that the
+backend aborts on.
+
 [Note: bucket layout] A bucket is one dtype and one process group, so one all-gather
 (`deepspeed.comm.all_gather_into_tensor`, which DeepSpeed's comms logger records) gathers it: each rank
 copies its partitions into its own slice of one flat buffer, in place, as stock's coalesced gather
@@ -84,6 +91,7 @@ def full_weights(engine_or_module, bucket_bytes: int,
     budget = _budget(bucket_bytes)
     entries = _entries(module, names)
     budget = _agreed(entries, budget)
+    agreement = _agreement_of(entries)
     buckets, current, used = [], [], 0
     for e in entries:
         if current and (e.group is not current[0].group or e.dtype != current[0].dtype or used + e.nbytes > budget):
@@ -93,7 +101,15 @@ def full_weights(engine_or_module, bucket_bytes: int,
         used += e.nbytes
     if current:
         buckets.append(current)
-    return _stream(buckets)
+    return _stream(buckets, agreement)
+
+
+def _agreement_of(entries):
+    """The z3ext engine's agreement when it owns the partitioned parameters ([Note: full_weights is a z3ext
+    collective]); None for stock ZeRO-3."""
+    from deepspeed_z3ext.state import of_param
+    state = next((of_param(e.param) for e in entries if e.group is not None), None)
+    return getattr(state, "agreement", None)
 
 
 def _agreed(entries, budget) -> int:
@@ -103,9 +119,13 @@ def _agreed(entries, budget) -> int:
     if not groups:
         return budget
     from deepspeed_z3ext.schedule import RankAgreement
-    agreement = RankAgreement(max(groups, key=dist.get_world_size))
+    largest = max(groups, key=dist.get_world_size)
+    agreement = _agreement_of(entries)
+    if agreement is None or dist.get_world_size(agreement.group) != dist.get_world_size(largest):
+        agreement = RankAgreement(largest)
     names = zlib.crc32("\0".join(e.name for e in entries).encode())
-    rows = agreement.agreed("full_weights(engine, bucket_bytes, names)", [budget, len(entries), names], minimum=0)
+    rows = agreement.agreed("full_weights(engine, bucket_bytes, names)", [budget, len(entries), names], minimum=0,
+                            kind=9)
     return min(r[0] for r in rows)
 
 
@@ -159,18 +179,18 @@ def _entry(name, p) -> _Entry:
     return _Entry(name, p, group, p.dtype, part.ds_numel, world * part.ds_numel * p.element_size())
 
 
-def _stream(buckets) -> Iterator[List[FullWeight]]:
+def _stream(buckets, agreement=None) -> Iterator[List[FullWeight]]:
     ahead, shown = None, []
     try:
         if buckets:
-            ahead = _start(buckets[0])
+            ahead = _start(buckets[0], agreement)
         for i in range(len(buckets)):
             current, ahead = ahead, None
             shown.clear()  # the previous bucket, before this one is laid out: two buckets at most
             shown = _finish(current)
             current = None
             if i + 1 < len(buckets):
-                ahead = _start(buckets[i + 1])
+                ahead = _start(buckets[i + 1], agreement)
             yield shown
     finally:
         shown.clear()
@@ -180,7 +200,7 @@ def _stream(buckets) -> Iterator[List[FullWeight]]:
 
 
 @torch.no_grad()
-def _start(bucket) -> _Gather:
+def _start(bucket, agreement=None) -> _Gather:
     first = bucket[0]
     if first.group is None:
         return _Gather(bucket, None, None)
@@ -194,8 +214,15 @@ def _start(bucket) -> _Gather:
         mine.narrow(0, offset, e.partition).copy_(e.param.ds_tensor.reshape(-1)[:e.partition])
         offset += e.partition
     # Empty partitions only (parameters of 0 elements): nothing to gather, on every rank alike.
-    work = dist.all_gather_into_tensor(flat, mine, group=group, async_op=True) if size else None
-    return _Gather(bucket, flat, work)
+    if not size:
+        return _Gather(bucket, flat, None)
+    if agreement is None or world == 1:
+        return _Gather(bucket, flat, dist.all_gather_into_tensor(flat, mine, group=group, async_op=True))
+    # [Note: full_weights is a z3ext collective]: agreed and watched; on gloo the host waits for it there.
+    work = agreement.collective([9, 0, first.param.ds_id, size, len(bucket)],
+                                lambda async_op: dist.all_gather_into_tensor(flat, mine, group=group, async_op=async_op),
+                                group)
+    return _Gather(bucket, flat, work if hasattr(work, "wait") else None)
 
 
 @torch.no_grad()

@@ -276,3 +276,38 @@ def test_module_not_partitioned_passes_through():
     second = next(stream)
     assert first == [] and [w.name for w in second] == ["2.bias"]
     assert list(stream) == [] and second == []
+
+
+def rank_zero_only_export():
+    """A step, then rank 0 streams full_weights while rank 1 trains on ([Note: full_weights is a z3ext collective]
+    in weights.py): every rank must raise a z3ext error naming full_weights."""
+    import deepspeed
+    import torch.distributed as dist
+    import deepspeed_z3ext
+    from tests.models import TinyGPT
+    cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "z3ext": True,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = TinyGPT()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(tokens))
+    engine.step()
+    try:
+        if dist.get_rank() == 0:
+            for bucket in deepspeed_z3ext.full_weights(engine, bucket_bytes=1 << 20):
+                bucket.clear()
+        else:
+            engine.backward(engine(tokens))
+            engine.step()
+    except deepspeed_z3ext.Z3extError as e:
+        return type(e).__name__, str(e).splitlines()[0]
+    return None
+
+
+def test_full_weights_on_rank_zero_alone_raises_on_every_rank():
+    for rank, r in enumerate(run_on_ranks(rank_zero_only_export, timeout=300)):
+        assert r is not None, f"rank {rank}: no z3ext error"
+        assert r[0] == "ScheduleMismatchError" and "full_weights" in r[1], f"rank {rank}: {r}"
