@@ -342,7 +342,7 @@ def _multimodal():
 TOWER_RUNS = [[{0}, {0, 1}], [{1}, set()], [set(), set()], [{0, 1, 2, 3}, {2}]]
 
 
-def skipped_by_some_ranks(dtype):
+def skipped_by_some_ranks(dtype, declared=True):
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -356,7 +356,7 @@ def skipped_by_some_ranks(dtype):
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         if name == "z3ext":
-            cfg["z3ext"] = {"enabled": True, "conditional_modules": ["tower"]}
+            cfg["z3ext"] = {"enabled": True, "conditional_modules": ["tower"] if declared else []}
         torch.manual_seed(11)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = _multimodal()
@@ -371,7 +371,14 @@ def skipped_by_some_ranks(dtype):
                 if dtype == "bf16":
                     image = image.bfloat16()
                 mode = "run" if rank in runs else ("dummy" if name == "stock" else "skip")
-                loss = engine(tokens, image, mode)
+                if declared:
+                    loss = engine(tokens, image, mode)
+                else:
+                    try:
+                        loss = engine(tokens, image, mode)
+                    except deepspeed_z3ext.Z3extError as e:
+                        engine.destroy()
+                        return dict(error=(type(e).__name__, str(e).splitlines()[0], i))
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
@@ -391,6 +398,17 @@ def test_a_module_some_ranks_skip_trains_as_with_a_dummy_input(world, dtype):
         assert r["losses"][0] == r["losses"][1], f"rank {rank}: losses differ from stock with a dummy input"
         assert not r["mismatched"], f"rank {rank}: parameters differ: {r['mismatched']}"
     assert len({str(r["counts"]) for r in results}) == 1, [r["counts"] for r in results]
+
+
+def test_an_undeclared_module_some_ranks_skip_raises_at_its_forward_on_every_rank():
+    """Nothing declared: the ranks' forwards gather different modules at the first micro-step whose ranks differ
+    (rank 0 runs the tower, rank 1 does not): every rank raises `ScheduleMismatchError` there, before the
+    collective, naming each rank's module (gloo; [Note: agree before the collective])."""
+    for rank, r in enumerate(run_on_ranks(skipped_by_some_ranks, timeout=TIMEOUT, dtype="fp32", declared=False)):
+        assert "error" in r, f"rank {rank}: trained without an error: {r}"
+        kind, line, micro_step = r["error"]
+        assert kind == "ScheduleMismatchError" and micro_step == 0, (rank, r)
+        assert "tower" in line, (rank, line)
 
 
 def bad_conditional_modules(entry):
