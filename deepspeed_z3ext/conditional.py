@@ -129,7 +129,7 @@ def find(root: nn.Module, max_numel: Optional[int] = None) -> List[ConditionalBl
             log_dist(f"z3ext: {names.get(id(holder)) or '<root>'} ({type(holder).__name__}, {numel} elements) looks like a "
                      f"mixture-of-experts block but is larger than a fetch group ({max_numel} elements): not gathered as "
                      "one unit ([Note: a bounded guess]); if its experts run on some ranks only, mark it with "
-                     "deepspeed.utils.set_z3_leaf_modules", ranks=[0])
+                     "deepspeed.utils.set_z3_leaf_modules or raise \"z3ext\": {\"fetch_group_numel\"}", ranks=[0])
             continue
         taken.update(id(m) for m in holder.modules())
         found.append(ConditionalBlock(names.get(id(holder)) or "<root>", holder, n, numel))

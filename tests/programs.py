@@ -58,6 +58,12 @@ def lifetimes_rng(seed):
     return random.Random(f"lifetimes {seed}")
 
 
+def unused_rng(seed):
+    """The stream the unused head is drawn from (a head whose output only some ranks or micro-steps put in the
+    loss), apart from the others so every seed's other draws stay as they were."""
+    return random.Random(f"unused {seed}")
+
+
 def nonuniform_rng(seed):
     """The stream the non-uniform parts are drawn from (an MoE block whose routing differs by rank and step,
     a layer some micro-steps skip), apart from the others so every seed's other draws stay as they were."""
@@ -90,12 +96,16 @@ class Program(NamedTuple):
     moe: Optional[int] = None  # a mixture-of-experts block (one module per expert, top-1) after this layer
     sometimes: Optional[Tuple[int, int, bool]] = None  # (layer, period, per rank): that layer runs only when
     # (micro-step + (rank if per rank else 0)) % period == 0
+    unused: Optional[Tuple[int, bool]] = None  # (period, per rank): an aux head runs on every rank; its output is
+    # in the loss only when (micro-step + (rank if per rank else 0)) % period == 0 (nothing declared in z3ext; stock
+    # adds it times 0.0 elsewhere): the parameters that get a gradient differ by rank and micro-step
 
     def describe(self):
         return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
                 f"ga={self.ga} steps={self.steps} clip={self.clip} bucket={self.bucket} hold={self.hold} "
                 f"live={self.live} prefetch={self.prefetch} persistence={self.persistence} mel={self.mel} "
-                f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes}")
+                f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes} "
+                f"unused={self.unused}")
 
 
 def draw(seed) -> Program:
@@ -136,11 +146,18 @@ def draw(seed) -> Program:
         per_rank = nonuniform.random() < 0.6 and not any(e.kind == "fail" and e.arg % (max(_order(layers)) + 1) == distinct
                                                           for e in events)
         sometimes = (layer, period, per_rank)
-    return Program(moe=moe, sometimes=sometimes,
+    extra = unused_rng(seed)
+    unused = (extra.choice((2, 3)), extra.random() < 0.7) if extra.random() < 0.3 else None
+    program = Program(moe=moe, sometimes=sometimes, unused=unused,
         seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
         hold=r.random() < 0.7, live=r.choice((None, None, 100, 400)), prefetch=r.choice((None, 0, 200)),
         persistence=r.choice((0, 0, 10)), mel=r.random() < 0.5, bf16=r.random() < 0.2, events=tuple(events))
+    if unused is not None and unused[1] and not program.hold:
+        # Without hold_for_backward the head is gathered again by its backward, which runs on the ranks whose
+        # loss used it only: the ranks' backward gathers differ (z3ext raises a named error; not yet agreed).
+        program = program._replace(unused=(unused[0], False))
+    return program
 
 
 def config(program, z3ext):
@@ -159,6 +176,10 @@ def config(program, z3ext):
         cfg["bf16"] = {"enabled": True}
     if z3ext:
         cfg["z3ext"] = {"enabled": True, "hold_for_backward": program.hold}
+        if program.moe is not None and program.live is not None:
+            # A detected block is bounded by a fetch group ([Note: a bounded guess] in conditional.py), half the
+            # drawn live budget of a few hundred elements: the program allows the block's size.
+            cfg["z3ext"]["fetch_group_numel"] = 10**6
         if program.sometimes is not None and program.sometimes[2]:
             cfg["z3ext"]["conditional_modules"] = ["layers." + str(_order(program.layers)[program.sometimes[0]])]
     return cfg
@@ -262,6 +283,8 @@ def _model(program):
             self.micro = 0  # set by the loop: which micro-step runs ("sometimes")
             self.rank = 0
             self.dummy = False  # stock, per rank: a skipped layer runs with weight 0 instead
+            self.aux = nn.Linear(HIDDEN, 1) if program.unused is not None else None
+            self.dummy_aux = False
             self.sometimes_layer = (self.order[program.sometimes[0] % len(self.order)]
                                     if program.sometimes is not None else None)
 
@@ -294,7 +317,15 @@ def _model(program):
                 x = self.layer(i, x)
                 i += 1
             logits = self.head(x)
-            return F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, dims=1).flatten())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.roll(-1, dims=1).flatten())
+            if self.aux is not None:
+                aux = self.aux(x).float().pow(2).mean()
+                period, per_rank = program.unused
+                if (self.micro + (self.rank if per_rank else 0)) % period == 0:
+                    loss = loss + aux
+                elif self.dummy_aux:  # stock's way: the head's output counts 0 times
+                    loss = loss + 0.0 * aux
+            return loss
 
     return Net
 
@@ -338,6 +369,7 @@ def _run(program, z3ext, rank, cfg):
         model = _model(program)()
     model.rank = rank
     model.dummy = not z3ext and program.sometimes is not None and program.sometimes[2]
+    model.dummy_aux = not z3ext  # [Note: fixed gradient layout] in grads.py: z3ext needs nothing
     if model.moe is not None and not z3ext:
         # Stock's way to train it: the block marked by hand (z3ext finds it: [Note: conditional blocks]).
         deepspeed.utils.set_z3_leaf_modules(model, [type(model.moe)])
