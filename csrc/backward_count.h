@@ -28,12 +28,19 @@
 
 namespace z3ext {
 
-inline std::optional<int64_t> count_used_in_backward(const std::vector<at::Tensor>& params) {
+// The running graph task's nodes; nullptr for a backward restricted to some inputs (its exec_info not empty),
+// where the graph alone does not decide what executes.
+inline const std::unordered_set<torch::autograd::Node*>* nodes_of_unrestricted_backward(const char* caller) {
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (exec_info == nullptr || in_graph == nullptr)
-    throw std::runtime_error("count_used_parameters_in_backward must be called during backward execution");
-  if (!exec_info->empty()) return std::nullopt;
+    throw std::runtime_error(std::string(caller) + " must be called during backward execution");
+  return exec_info->empty() ? in_graph : nullptr;
+}
+
+inline std::optional<int64_t> count_used_in_backward(const std::vector<at::Tensor>& params) {
+  const auto* in_graph = nodes_of_unrestricted_backward("count_used_parameters_in_backward");
+  if (in_graph == nullptr) return std::nullopt;
   std::unordered_set<const torch::autograd::Node*> seen;
   seen.reserve(params.size());
   int64_t used = 0;
@@ -64,11 +71,8 @@ struct Unreached {
 };
 
 inline std::optional<Unreached> unreached_in_backward(const std::vector<at::Tensor>& params) {
-  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-  const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (exec_info == nullptr || in_graph == nullptr)
-    throw std::runtime_error("unreached_in_backward must be called during backward execution");
-  if (!exec_info->empty()) return std::nullopt;
+  const auto* in_graph = nodes_of_unrestricted_backward("unreached_in_backward");
+  if (in_graph == nullptr) return std::nullopt;
   Unreached out;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
