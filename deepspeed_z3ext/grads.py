@@ -214,16 +214,15 @@ class GradLayout(NamedTuple):
 class GradPass:
     """One backward pass's progress through the layout: which gradients arrived, which cannot come."""
 
-    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate", "task")
+    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate")
 
-    def __init__(self, layout, accumulate, task):
+    def __init__(self, layout, accumulate):
         self.waiting = [len(b) for b in layout.buckets]  # parameters of each bucket neither arrived nor unreached
         self.next = 0            # the first bucket not reduced yet: buckets are reduced in order
         self.arrived = set()     # ds_ids whose gradient was noted
         self.unreached = set()   # ds_ids this backward cannot reach (exact passes only)
         self.exact = False       # the pass ends at DeepSpeed's epilogue ([Note: fixed gradient layout])
         self.accumulate = accumulate  # stock's `micro_step_id != 0` when the pass began
-        self.task = task         # the autograd graph task of its first gradient
 
 
 def _nested_backward() -> bool:
@@ -349,11 +348,11 @@ class GradReducer:
         and which of them this backward cannot reach ([Note: fixed gradient layout])."""
         optimizer = self._optimizer()
         layout = self.layout
-        key = tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])
+        key = _trainable_key(optimizer)
         if layout is None or layout.key != key:
             layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
             self._ordered, self._arrival = False, {}
-        gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0, task)
+        gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
         unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
         if unreached is not None and not unreached[1] and not _nested_backward():
             gpass.exact = True
@@ -401,12 +400,6 @@ class GradReducer:
         if gpass is None:
             return 0
         return sum(p.ds_numel for b in layout.buckets[gpass.next:] for p in b if p.ds_id in gpass.arrived)
-
-    def flush(self):
-        """Every bucket of the pass reduced now (DeepSpeed's epilogue in a pass that raised and was retried)."""
-        gpass = self._pass
-        if gpass is not None:
-            self._finish(gpass)
 
     @torch.no_grad()
     def _flush(self, params, gpass):
@@ -657,7 +650,7 @@ class GradReducer:
         position on any rank; those that came on no rank last, ds_id descending), which every rank computes
         from the same all-gathered positions. Only the order changes: what each rank reduces does not."""
         optimizer = self._optimizer()
-        key = tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])
+        key = _trainable_key(optimizer)
         if self.layout is None or self.layout.key != key:  # (a rank whose backward reached no parameter)
             self.layout, self._arrival = _make_layout(optimizer, key, self.bucket_size, None), {}
         layout, arrival = self.layout, self._arrival or {}
@@ -669,6 +662,11 @@ class GradReducer:
         first = [min(col) for col in zip(*rows)]
         order = sorted(range(len(params)), key=lambda i: (first[i], -params[i].ds_id))
         self.layout = _make_layout(optimizer, layout.key, self.bucket_size, [params[i] for i in order])
+
+def _trainable_key(optimizer) -> tuple:
+    """The ds_ids of the trainable parameters, in the optimizer's order: what a layout is made for."""
+    return tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])
+
 
 def _make_layout(optimizer, key, bucket_size, order) -> GradLayout:
     """[Note: fixed gradient layout] The trainable parameters (`key`) in `order` (default: ds_id descending, a
