@@ -30,6 +30,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::cast(out);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear_call", &linear_call, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());  // [Note: linear in one call]
+  m.def(  // [Note: schedule fingerprint] in schedule.h: a gradient reduce-scatter's (digest, first ds_id)
+      "reduce_scatter_digest",
+      [](const std::vector<std::pair<int64_t, int64_t>>& ids) {
+        return ScheduleLog::digest(ids.begin(), ids.end(), ScheduleLog::kReduceScatter, false);
+      },
+      py::arg("ids"));
   m.def("set_linear_released_backward", [](py::object fn) { linear_released_backward() = std::move(fn); });
   m.def("count_used_in_backward", &count_used_in_backward, py::arg("params"));  // [Note: backward hook count]
   m.def(  // [Note: gradients this backward will not deliver]
@@ -159,6 +166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       })
       .def("taken_schedule", [](GatherEngine& e) { return e.schedule().taken(); })
+      .def("note_reduce_scatter", [](GatherEngine& e, int64_t digest, int64_t first_id) {
+        e.schedule().note_digest(digest, first_id);  // [Note: schedule fingerprint]
+      }, py::arg("digest"), py::arg("first_id"))
       .def("note_fault", [](GatherEngine& e) { e.schedule().note_fault(); })
       .def("reset_schedule", [](GatherEngine& e) { e.schedule().reset(); })
       .def("stats", [](const GatherEngine& e) {

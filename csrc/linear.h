@@ -5,7 +5,9 @@
 // its arguments with `inspect.signature` up to torch 2.13), `setup_context`, and a backward in Python
 // under a `torch.autocast` context, which takes the GIL for every linear node of a backward.
 #pragma once
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/autograd.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -24,15 +26,17 @@ inline py::object& linear_released_backward() {
 }
 
 struct ZeroLinear : public torch::autograd::Function<ZeroLinear> {
+  // The Function's forward ops (0.19.8), for the node and for a call under no_grad.
+  static at::Tensor compute(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    if (input.dim() == 2 && bias.has_value()) return at::addmm(*bias, input, weight.t());  // "fused op is marginally faster"
+    at::Tensor ret = input.matmul(weight.t());
+    if (bias.has_value()) ret.add_(*bias);  // `output += bias`
+    return ret;
+  }
+
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
-    at::Tensor ret;
-    if (input.dim() == 2 && bias.has_value()) {
-      ret = at::addmm(*bias, input, weight.t());  // "fused op is marginally faster"
-    } else {
-      ret = input.matmul(weight.t());
-      if (bias.has_value()) ret.add_(*bias);  // `output += bias`
-    }
+    at::Tensor ret = compute(input, weight, bias);
     ctx->save_for_backward({input, weight, bias.has_value() ? *bias : at::Tensor()});
     return ret;
   }
@@ -96,5 +100,36 @@ struct ZeroLinear : public torch::autograd::Function<ZeroLinear> {
     return apply(input, weight, bias);
   }
 };
+
+// [Note: linear in one call] in deepspeed_z3ext/linear.py: `F.linear` as one C++ call where the Python seams would
+// take the shortcut or the node: plain tensors (Tensor or Parameter, no subclass), no torch function mode, and
+// under no_grad a z3ext weight or one of no ZeRO engine (its forward's ops), in grad mode a z3ext weight that is a
+// Parameter with a Tensor input (the node, where it does not decline). None: the Python path decides.
+inline py::object linear_call(py::handle input, py::handle weight, py::handle bias) {
+  static PyObject* const state_attr = PyUnicode_InternFromString("_z3ext_state");  // deepspeed_z3ext.state.STATE_ATTR
+  static PyObject* const ds_id_attr = PyUnicode_InternFromString("ds_id");
+  const bool has_bias = !bias.is_none();
+  if (!THPVariable_CheckExact(input.ptr()) || !THPVariable_CheckExact(weight.ptr()) ||
+      (has_bias && !THPVariable_CheckExact(bias.ptr())) || at::impl::torch_function_mode_enabled())
+    return py::none();
+  const bool z3ext_weight = PyObject_HasAttr(weight.ptr(), state_attr) == 1;
+  const at::Tensor& x = THPVariable_Unpack(input.ptr());
+  const at::Tensor& w = THPVariable_Unpack(weight.ptr());
+  std::optional<at::Tensor> b;
+  if (has_bias) b = THPVariable_Unpack(bias.ptr());
+  at::Tensor out;
+  if (!at::GradMode::is_enabled()) {
+    if (!z3ext_weight && PyObject_HasAttr(weight.ptr(), ds_id_attr) == 1) return py::none();  // a stock engine's
+    py::gil_scoped_release no_gil;  // as torch's own bindings of these ops
+    out = ZeroLinear::compute(x, w, b);
+  } else {
+    if (!z3ext_weight || Py_TYPE(input.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+        Py_TYPE(weight.ptr()) != reinterpret_cast<PyTypeObject*>(ParameterClass))
+      return py::none();
+    out = ZeroLinear::maybe_apply(x, w, b);
+    if (!out.defined()) return py::none();
+  }
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+}
 
 }  // namespace z3ext

@@ -265,6 +265,7 @@ class GradReducer:
         self._fused_sub_group = None  # the sub-group whose step gradient the unscale already scaled ([Note: fused unscale])
         self._n_norms = 0
         self._n_reduce_scatters = 0
+        self._bucket_digests = {}  # id(bucket) -> (bucket, its reduce-scatters' digests) ([Note: schedule fingerprint])
         self._n_direct = 0
         self._n_divided = 0
         self._n_writes = 0
@@ -426,8 +427,11 @@ class GradReducer:
         divides = self._divide_after and comms.divides_after_reduce(world, self.comm_dtype)
         collective = comms.reduce_scatter_fn(group)
         state = self._state()
+        note = digests = None
         if state is not None and world > 1:
             collective = _recorded(collective, state.agreement, group)
+            note = state.engine.note_reduce_scatter  # [Note: schedule fingerprint] in csrc/schedule.h
+            digests = self._digests(params, world)
         reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
@@ -437,9 +441,11 @@ class GradReducer:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
         with get_accelerator().stream(stream) if self._on_device else contextlib.nullcontext():
-            for part in _slices(params, self.slice_numel, world):  # [Note: flush slices]
+            for i, part in enumerate(_slices(params, self.slice_numel, world)):  # [Note: flush slices]
                 grads = [zeros[p.ds_id] if p.ds_id in zeros else p.grad for p in part]
                 dests = [partitions[p.ds_id] for p in part]
+                if note is not None:
+                    note(*digests[i])
                 try:
                     n, laid_out, writes = reduce_scatter(collective, grads, dests, rank, world, self.comm_dtype,
                                                          scale, accumulate, divides)
@@ -463,6 +469,15 @@ class GradReducer:
         self._n_reduced += reduced
         self._n_accumulating += accumulate
         self._host_s += time.perf_counter() - t0
+
+    def _digests(self, bucket, world):
+        """The (digest, first ds_id) of each reduce-scatter of `bucket` (a list of the layout's), computed once."""
+        cached = self._bucket_digests.get(id(bucket))
+        if cached is None or cached[0] is not bucket:
+            digest = ops().reduce_scatter_digest
+            cached = self._bucket_digests[id(bucket)] = (bucket, [
+                digest([(p.ds_id, p.ds_numel) for p in part]) for part in _slices(bucket, self.slice_numel, world)])
+        return cached[1]
 
     def free_partitions(self):
         """The step is over ([Note: gradient partitions between steps])."""

@@ -25,6 +25,15 @@ torch function mode would see, a tensor subclass, code Dynamo traces, and a weig
 plain model's keeps the Function its graph names: DeepSpeed's own tests look for it). A weight that is released
 when its node runs (DeepSpeed's Function gathers it and releases it after) goes to stock's backward itself
 (`released_backward`).
+
+[Note: linear in one call] Even with the shortcut and the node, a linear layer's call went through three Python
+frames before its ops: DeepSpeed's `zero3_linear_wrap` (what `F.linear` is), the Function's `apply` (z3ext's seam)
+and the Function's `forward`, where the unsharded model makes one C call (a generated token of a 16-layer Llama
+runs 113 linears: most of its host work beyond the unsharded model's). `zero3_linear_wrap` is z3ext's (a seam on
+the name DeepSpeed's `zero.Init` assigns to `F.linear`): one Python frame, then one C++ call (csrc/linear.h
+`linear_call`) that runs the forward's ops (no_grad) or the node (grad mode) where the two notes above would,
+the same bits, or declines to the Python path for everything else (a subclass, a torch function mode, a stock
+engine's weight, code Dynamo traces, autocast in grad mode).
 """
 import inspect
 from types import SimpleNamespace
@@ -67,6 +76,26 @@ def stock_apply_seam(_stock):
         return descriptor.__get__(None, cls)(*args, **kwargs)
 
     return classmethod(apply)
+
+
+def linear_wrap_seam(stock):
+    """DeepSpeed's `zero3_linear_wrap` ([Note: linear in one call]): `stock` where the C++ call declines."""
+    compiling = torch.compiler.is_compiling
+    call = None
+
+    def zero3_linear_wrap(input, weight, bias=None):
+        nonlocal call
+        if not compiling():
+            if call is None:
+                from deepspeed_z3ext._ops import ops
+                _load(ops())
+                call = ops().linear_call
+            out = call(input, weight, bias)
+            if out is not None:
+                return out
+        return stock(input, weight, bias)
+
+    return zero3_linear_wrap
 
 
 def _load(ops):

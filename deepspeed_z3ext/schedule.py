@@ -34,10 +34,10 @@ exchange it (one tiny all-gather, `RankAgreement.agreed`): a budget becomes the 
 depends on it. `leak_check` decides on every rank together: a leak found on one rank raises on all of them.
 
 [Note: schedule check] NCCL does not notice two ranks gathering different things: a hang, or garbage
-where sizes happen to match. The gather engine keeps a fingerprint of its collectives ([Note: schedule
-fingerprint] in csrc/schedule.h); the ranks compare it with one tiny all-gather at every optimizer step
-(`schedule_check: "step"`, the default), or at every outermost forward too (`"forward"`, for debugging),
-and reset it. The all-gather is read at the next check, not waited for: on an accelerator its result is
+where sizes happen to match. The gather engine keeps a fingerprint of its all-gathers and of the gradient
+reduce-scatters ([Note: schedule fingerprint] in csrc/schedule.h); the ranks compare it with one tiny
+all-gather at every optimizer step (`schedule_check: "step"`, the default), or at every outermost forward
+too (`"forward"`, for debugging), and reset it. The all-gather is read at the next check, not waited for: on an accelerator its result is
 copied to pinned host memory behind the step's work and an event marks it, so the host never waits for
 the device (a wait at the step's start would stall the launch of the step). On a mismatch every rank
 raises `ScheduleMismatchError` at that next check, naming the first collective where they differ and the
@@ -326,7 +326,8 @@ class ScheduleCheck:
             what = "; ".join(f"rank {r}: {_module(names, p[first][1])}" for r, p in enumerate(per_rank))
             detail = f"they first differ at collective {first}: {what}"
         raise ScheduleMismatchError(
-            f"z3ext: the ranks issued different all-gathers since the last check ({where}; collectives: {counts}); "
+            f"z3ext: the ranks issued different collectives (all-gathers, gradient reduce-scatters) since the last "
+            f"check ({where}; collectives: {counts}); "
             f"{detail}. Every rank must make the same calls: something that differs between ranks decided "
             f"a gather ([Note: one schedule on every rank] in deepspeed_z3ext/schedule.py)")
 

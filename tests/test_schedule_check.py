@@ -55,3 +55,38 @@ def test_different_gathers_raise_on_every_rank(mode, where):
 def test_off_checks_nothing():
     for r in run_on_ranks(_diverge, mode="off", timeout=180):
         assert r["error"] is None and r["where"] is None and r["passed"] == 0, r
+
+
+def _noted(bucket_numel):
+    import torch.distributed as dist
+    from deepspeed_z3ext.state import of_engine
+    from tests.models import batch, build_engine, ds_config
+
+    rank = dist.get_rank()
+    z3 = {"enabled": True, "schedule_check": "step"}
+    engine = build_engine(ds_config(z3ext=z3, persistence=0, ga=1, zero_extra={"reduce_bucket_size": bucket_numel}))
+    state = of_engine(engine)
+    out = []
+    for i in range(2):
+        loss = engine(batch(i, rank))
+        before = state.engine.schedule()
+        rs = state.grad_reducer._n_reduce_scatters if state.grad_reducer else 0
+        engine.backward(loss)
+        after = state.engine.schedule()
+        out.append(dict(noted=after[0] - before[0], reduce_scatters=state.grad_reducer._n_reduce_scatters - rs,
+                        moved=after[1] != before[1]))
+        engine.step()
+    return out
+
+
+@pytest.mark.parametrize("bucket_numel", [500, 50_000_000])
+def test_every_gradient_reduce_scatter_is_in_the_fingerprint(bucket_numel):
+    """[Note: schedule fingerprint]: each reduce-scatter of a backward is noted (the backward gathers nothing: the
+    units are held), so the step's check compares the gradient collectives too."""
+    results = run_on_ranks(_noted, bucket_numel=bucket_numel, timeout=180)
+    for rank, steps in enumerate(results):
+        for r in steps:
+            assert r["reduce_scatters"] >= 1 and r["noted"] == r["reduce_scatters"] and r["moved"], (rank, r)
+    assert results[0] == results[1]
+    if bucket_numel == 500:
+        assert results[0][0]["reduce_scatters"] > 1, results[0]
