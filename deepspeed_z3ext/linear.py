@@ -27,13 +27,13 @@ when its node runs (DeepSpeed's Function gathers it and releases it after) goes 
 (`released_backward`).
 
 [Note: linear in one call] Even with the shortcut and the node, a linear layer's call went through three Python
-frames before its ops: DeepSpeed's `zero3_linear_wrap` (what `F.linear` is), the Function's `apply` (z3ext's seam)
-and the Function's `forward`, where the unsharded model makes one C call (a generated token of a 16-layer Llama
-runs 113 linears: most of its host work beyond the unsharded model's). `zero3_linear_wrap` is z3ext's (a seam on
-the name DeepSpeed's `zero.Init` assigns to `F.linear`): one Python frame, then one C++ call (csrc/linear.h
-`linear_call`) that runs the forward's ops (no_grad) or the node (grad mode) where the two notes above would,
-the same bits, or declines to the Python path for everything else (a subclass, a torch function mode, a stock
-engine's weight, code Dynamo traces, autocast in grad mode).
+frames before its ops: DeepSpeed's `zero3_linear_wrap` (what `F.linear` is), the Function's `apply` (the seam
+below) and, under no_grad, the Function's `forward`; the unsharded model makes one C call (a generated token of a
+16-layer Llama runs 113 linears). The seam's first step is now one C++ call (csrc/linear.h `linear_call`) that runs
+the forward's ops (no_grad) or the node (grad mode) where the two notes above would, the same bits, or declines to
+the rest of the seam (a subclass, a torch function mode, a stock engine's weight, autocast in grad mode); code
+Dynamo traces does not take it. `F.linear` stays DeepSpeed's own function (`F.linear is zero3_linear_wrap`, which
+DeepSpeed's tests check): replacing it too would save one more frame per linear.
 """
 import inspect
 from types import SimpleNamespace
@@ -55,10 +55,16 @@ def stock_apply_seam(_stock):
     compiling = torch.compiler.is_compiling
     function_mode = torch._C._is_torch_function_mode_enabled
     Tensor, Parameter = torch.Tensor, torch.nn.Parameter
-    zero_linear = None
+    zero_linear = linear_call = None
 
     def apply(cls, *args, **kwargs):
-        nonlocal zero_linear
+        nonlocal zero_linear, linear_call
+        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not compiling():
+            if linear_call is None:  # [Note: linear in one call]
+                zero_linear, linear_call = _load(ops()), ops().linear_call
+            out = linear_call(*args)
+            if out is not None:
+                return out
         if cls is owner and not kwargs and 2 <= len(args) <= 3 and (
                 hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):  # a z3ext weight, or none of ZeRO's
             if not grad_enabled():

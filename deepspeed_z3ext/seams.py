@@ -72,7 +72,7 @@ def _table():
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload, ZeROOrderedDict
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-    from deepspeed.runtime.zero import partition_parameters, stage3
+    from deepspeed.runtime.zero import stage3
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -152,9 +152,8 @@ def _table():
              "the gradient norm in one multi-tensor pass per sub-group and one all-reduce ([Note: gradient norm])"),
         Seam(LinearFunctionForZeroStage3, "apply", linear.stock_apply_seam,
              "memory_efficient_linear on a z3ext weight: under no_grad its forward without autograd's per-call "
-             "binding ([Note: no_grad linear]), in grad mode its ops as one C++ node ([Note: grad-mode linear])"),
-        Seam(partition_parameters, "zero3_linear_wrap", linear.linear_wrap_seam,
-             "what zero.Init makes F.linear: one C++ call where the two above apply ([Note: linear in one call])"),
+             "binding ([Note: no_grad linear]), in grad mode its ops as one C++ node ([Note: grad-mode linear]), "
+             "each one C++ call ([Note: linear in one call])"),
         Seam(stage3, "count_used_parameters_in_backward", grads.count_used_parameters,
              "the gradient hooks' count of the parameters a backward reaches, in one C++ call "
              "([Note: backward hook count])"),

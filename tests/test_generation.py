@@ -260,36 +260,34 @@ def mel_no_grad():
         backward_calls[0] += 1
         return backward.__func__(ctx, grad_output)
 
-    from deepspeed_z3ext import seams
-    seams.install()  # (idempotent) before its seam on the Function's `apply` is wrapped here
-    apply = F.__dict__["apply"]  # z3ext's seam ([Note: no_grad linear])
-    apply_calls = [0]
+    forward = F.__dict__["forward"]  # the Function's forward, which z3ext's seam runs in C++ ([Note: linear in one call])
+    forward_calls = [0]
 
-    def counted_apply(cls, *args, **kwargs):
-        apply_calls[0] += 1
-        return apply.__get__(None, cls)(*args, **kwargs)
+    def counted_forward(*args, **kwargs):
+        forward_calls[0] += 1
+        return forward.__func__(*args, **kwargs)
 
     F.setup_context = staticmethod(counted)  # observes DeepSpeed's Function; z3ext's seam is on `apply`
-    F.apply = classmethod(counted_apply)
+    F.forward = staticmethod(counted_forward)
     F.backward = staticmethod(counted_backward)
     try:
         for name in ("stock", "z3ext"):
             cfg = ds_config(z3ext=name == "z3ext", persistence=0, mel=True, ga=1,
                             zero_extra={"stage3_prefetch_bucket_size": 3000, "stage3_max_live_parameters": 10**9})
             engine = build_engine(cfg, model_fn=_llama, inside_init=False)
-            calls[0] = apply_calls[0] = 0
+            calls[0] = forward_calls[0] = 0
             with torch.no_grad():
                 logits = engine(input_ids=_prompt(rank, 3)).logits
-            no_grad_calls, no_grad_applies = calls[0], apply_calls[0]
+            no_grad_calls, no_grad_forwards = calls[0], forward_calls[0]
             tokens, scores = _generate(engine, _prompt(rank, 4))
-            calls[0] = apply_calls[0] = 0
+            calls[0] = forward_calls[0] = 0
             losses = []
             for step in range(2):  # the second step's forward runs on weights the first step's gradients moved
                 loss = engine(input_ids=_prompt(rank, 5 + step)).logits.float().pow(2).mean()
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.detach())
-            grad_applies = apply_calls[0]
+            grad_forwards = forward_calls[0]
             # A weight released by the time its node runs: stock's backward gathers it, computes, releases it.
             weight = engine.module.model.layers[0].mlp.gate_proj.weight
             x = torch.randn(3, weight.ds_shape[1], generator=torch.Generator().manual_seed(rank), requires_grad=True)
@@ -300,22 +298,22 @@ def mel_no_grad():
             grad_x, = torch.autograd.grad(y.pow(2).sum(), x)
             out[name] = dict(logits=logits, tokens=tokens, scores=scores, no_grad_calls=no_grad_calls,
                              grad_calls=calls[0], losses=losses, params=full_params(engine),
-                             applies=(no_grad_applies, grad_applies),
+                             forwards=(no_grad_forwards, grad_forwards),
                              released=(released, weight.numel() == 0, backward_calls[0]), grad_x=grad_x)
             engine.destroy()
         # A plain model in the same process (F.linear is DeepSpeed's from here on): no_grad skips the Function, with
         # the bits of a grad-mode forward, which runs it.
         torch.manual_seed(0)
         plain = _llama()
-        calls[0] = apply_calls[0] = 0
+        calls[0] = forward_calls[0] = 0
         with torch.no_grad():
             plain_no_grad = plain(input_ids=_prompt(rank, 3)).logits
-        plain_calls, plain_applies = [calls[0]], [apply_calls[0]]
+        plain_calls, plain_forwards = [calls[0]], [forward_calls[0]]
         plain_grad = plain(input_ids=_prompt(rank, 3)).logits.detach()
         plain_calls.append(calls[0] - plain_calls[0])
-        plain_applies.append(apply_calls[0] - plain_applies[0])
+        plain_forwards.append(forward_calls[0] - plain_forwards[0])
     finally:
-        F.apply = apply
+        F.forward = forward
         F.setup_context = staticmethod(setup.__func__) if isinstance(setup, staticmethod) else setup
         F.backward = backward
     s, z = out["stock"], out["z3ext"]
@@ -326,7 +324,7 @@ def mel_no_grad():
                 params=s["params"].keys() == z["params"].keys() and all(
                     torch.equal(v, z["params"][k]) for k, v in s["params"].items()),
                 calls={n: (r["no_grad_calls"], r["grad_calls"]) for n, r in out.items()},
-                applies={n: r["applies"] for n, r in out.items()}, plain_applies=plain_applies,
+                forwards={n: r["forwards"] for n, r in out.items()}, plain_forwards=plain_forwards,
                 plain=torch.equal(plain_no_grad, plain_grad), plain_calls=plain_calls,
                 linear_replaced=(torch.nn.functional.linear.__module__, torch.nn.functional.linear.__name__))
 
@@ -339,14 +337,14 @@ def test_memory_efficient_linear_is_stocks_bits_without_its_python_function():
         assert r["calls"]["z3ext"][1] == 0 and r["calls"]["stock"][1] > 0, r["calls"]  # nor DeepSpeed's Function
         # A weight released before its node's backward: stock's backward, which gathers and releases it, once.
         assert r["released"] == {"stock": (True, True, 1), "z3ext": (True, True, 1)} and r["grad_x"], r
-        # [Note: linear in one call]: F.linear is z3ext's wrap (zero.Init's replacement, through the seam), and a z3ext
-        # weight's linear never reaches the Function's `apply`, in either mode; a stock engine's always does.
-        assert r["applies"]["z3ext"] == (0, 0) and min(r["applies"]["stock"]) > 0, r["applies"]
-        # A plain model beside them: F.linear replaced, no Function in no_grad (nor its `apply`), the same bits; in
-        # grad mode DeepSpeed's Function (its graph names it).
-        assert r["linear_replaced"] == ("deepspeed_z3ext.linear", "zero3_linear_wrap") and r["plain"], r
+        # [Note: linear in one call]: a z3ext weight's linear never runs the Function's Python forward, in either
+        # mode; a stock engine's always does.
+        assert r["forwards"]["z3ext"] == (0, 0) and min(r["forwards"]["stock"]) > 0, r["forwards"]
+        # A plain model beside them: DeepSpeed's linear (F.linear replaced), no Function in no_grad (nor its Python
+        # forward), the same bits; in grad mode DeepSpeed's Function (its graph names it).
+        assert r["linear_replaced"] == ("deepspeed.runtime.zero.linear", "zero3_linear_wrap") and r["plain"], r
         assert r["plain_calls"][0] == 0 and r["plain_calls"][1] > 0, r["plain_calls"]
-        assert r["plain_applies"][0] == 0 and r["plain_applies"][1] > 0, r["plain_applies"]
+        assert r["plain_forwards"][0] == 0 and r["plain_forwards"][1] > 0, r["plain_forwards"]
 
 
 def budget_from_memory(rank1_free=None):

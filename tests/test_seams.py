@@ -47,7 +47,6 @@ SEAMS = [  # (module, class or None for the module itself, attribute): what seam
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "unscale_and_clip_grads"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),
     ("deepspeed.runtime.zero.linear", "LinearFunctionForZeroStage3", "apply"),
-    ("deepspeed.runtime.zero.partition_parameters", None, "zero3_linear_wrap"),  # what zero.Init makes F.linear
     ("deepspeed.runtime.zero.stage3", None, "count_used_parameters_in_backward"),  # a module global
 ]
 
