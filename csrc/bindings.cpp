@@ -22,14 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("input_boundary", &input_boundary, py::arg("tensor"));
   // [Note: grad-mode linear] in deepspeed_z3ext/linear.py: None where stock's Function must run
-  m.def(
-      "zero_linear",
-      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) -> py::object {
-        at::Tensor out = ZeroLinear::maybe_apply(input, weight, bias);
-        if (!out.defined()) return py::none();
-        return py::cast(out);
-      },
-      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("linear_call", &linear_call, py::arg("input"), py::arg("weight"), py::arg("bias") = py::none());  // [Note: linear in one call]
   m.def(  // [Note: schedule fingerprint] in schedule.h: a gradient reduce-scatter's (digest, first ds_id)
       "reduce_scatter_digest",

@@ -5,8 +5,8 @@
 // first `kMaxEntries` collectives since the last check are kept one by one (their own hash and first
 // ds_id) so that a mismatch can be named. Each gradient reduce-scatter is noted the same way, its parameters'
 // (ds_id, elements) salted apart from any gather (`kReduceScatter` in place of the dtype): the fixed gradient
-// layout makes every rank's the same by construction, and the check holds it to that. Python compares the fingerprint across ranks (schedule.py)
-// and resets the log. A few integer operations per parameter gathered: nothing beside the collective.
+// layout makes every rank's the same by construction, and the check holds it to that. Python compares the
+// fingerprint across ranks (schedule.py) and resets the log. A few integer operations per parameter gathered: nothing beside the collective.
 // It also counts the ops that raised on this rank and were rolled back (a gather out of memory, a
 // backward pass that raised): a fault on one rank only leaves that rank a collective behind, and the
 // count tells the ranks apart even where their schedules realign ([Note: one-rank faults] in schedule.py).

@@ -678,6 +678,7 @@ class GradReducer:
         order = sorted(range(len(params)), key=lambda i: (first[i], -params[i].ds_id))
         self.layout = _make_layout(optimizer, layout.key, self.bucket_size, [params[i] for i in order])
 
+
 def _trainable_key(optimizer) -> tuple:
     """The ds_ids of the trainable parameters, in the optimizer's order: what a layout is made for."""
     return tuple([p.ds_id for group in optimizer.fp16_groups for p in group if p.requires_grad])

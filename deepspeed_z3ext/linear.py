@@ -44,7 +44,8 @@ from deepspeed_z3ext.state import STATE_ATTR
 
 
 def stock_apply_seam(_stock):
-    """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut and the grad-mode node."""
+    """`LinearFunctionForZeroStage3.apply` (a classmethod) with the no_grad shortcut and the grad-mode node, in one
+    C++ call where it can ([Note: linear in one call])."""
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as owner
     from deepspeed_z3ext._ops import ops
     forward = owner.forward
@@ -53,60 +54,31 @@ def stock_apply_seam(_stock):
     descriptor = inspect.getattr_static(owner, "apply")
     grad_enabled = torch.is_grad_enabled
     compiling = torch.compiler.is_compiling
-    function_mode = torch._C._is_torch_function_mode_enabled
-    Tensor, Parameter = torch.Tensor, torch.nn.Parameter
-    zero_linear = linear_call = None
+    linear_call = None
 
     def apply(cls, *args, **kwargs):
-        nonlocal zero_linear, linear_call
-        if cls is owner and not kwargs and 2 <= len(args) <= 3 and not compiling():
-            if linear_call is None:  # [Note: linear in one call]
-                zero_linear, linear_call = _load(ops()), ops().linear_call
-            out = linear_call(*args)
-            if out is not None:
-                return out
-        if cls is owner and not kwargs and 2 <= len(args) <= 3 and (
-                hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):  # a z3ext weight, or none of ZeRO's
-            if not grad_enabled():
-                return forward(*args)
-            # [Note: grad-mode linear]: a z3ext weight, plain tensors (a subclass's __torch_function__ would not see
-            # C++'s ops), eager, no torch function mode; the node declines autocast and wrapped tensors itself.
-            bias = args[2] if len(args) == 3 else None
-            if type(args[0]) is Tensor and type(args[1]) is Parameter and hasattr(args[1], STATE_ATTR) and (
-                    bias is None or type(bias) in (Parameter, Tensor)) and not compiling() and not function_mode():
-                if zero_linear is None:
-                    zero_linear = _load(ops())
-                out = zero_linear(args[0], args[1], bias)
+        nonlocal linear_call
+        if cls is owner and not kwargs and 2 <= len(args) <= 3:
+            if not compiling():
+                # [Note: grad-mode linear] and [Note: no_grad linear] for plain tensors without a torch function
+                # mode (a subclass's __torch_function__ would not see C++'s ops); the node declines autocast and
+                # wrapped tensors itself.
+                if linear_call is None:
+                    _load(ops())
+                    linear_call = ops().linear_call
+                out = linear_call(*args)
                 if out is not None:
                     return out
+            # [Note: no_grad linear] for what the C++ call declined: a z3ext weight, or none of ZeRO's
+            if not grad_enabled() and (hasattr(args[1], STATE_ATTR) or not hasattr(args[1], "ds_id")):
+                return forward(*args)
         return descriptor.__get__(None, cls)(*args, **kwargs)
 
     return classmethod(apply)
 
 
-def linear_wrap_seam(stock):
-    """DeepSpeed's `zero3_linear_wrap` ([Note: linear in one call]): `stock` where the C++ call declines."""
-    compiling = torch.compiler.is_compiling
-    call = None
-
-    def zero3_linear_wrap(input, weight, bias=None):
-        nonlocal call
-        if not compiling():
-            if call is None:
-                from deepspeed_z3ext._ops import ops
-                _load(ops())
-                call = ops().linear_call
-            out = call(input, weight, bias)
-            if out is not None:
-                return out
-        return stock(input, weight, bias)
-
-    return zero3_linear_wrap
-
-
 def _load(ops):
     ops.set_linear_released_backward(released_backward)
-    return ops.zero_linear
 
 
 def released_backward(grad_output, input, weight, bias, needs_input_grad):

@@ -37,9 +37,9 @@ depends on it. `leak_check` decides on every rank together: a leak found on one 
 where sizes happen to match. The gather engine keeps a fingerprint of its all-gathers and of the gradient
 reduce-scatters ([Note: schedule fingerprint] in csrc/schedule.h); the ranks compare it with one tiny
 all-gather at every optimizer step (`schedule_check: "step"`, the default), or at every outermost forward
-too (`"forward"`, for debugging), and reset it. The all-gather is read at the next check, not waited for: on an accelerator its result is
-copied to pinned host memory behind the step's work and an event marks it, so the host never waits for
-the device (a wait at the step's start would stall the launch of the step). On a mismatch every rank
+too (`"forward"`, for debugging), and reset it. The all-gather is read at the next check, not waited for:
+on an accelerator its result is copied to pinned host memory behind the step's work and an event marks it,
+so the host never waits for the device (a wait at the step's start would stall the launch of the step). On a mismatch every rank
 raises `ScheduleMismatchError` at that next check, naming the first collective where they differ and the
 module each rank gathered there (a second, rare all-gather of the logged collectives).
 """
