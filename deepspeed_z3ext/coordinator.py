@@ -14,6 +14,7 @@ from deepspeed.utils import log_dist, logger
 from deepspeed_z3ext import claims, groups
 from deepspeed_z3ext.groups import MemberClaims
 from deepspeed_z3ext import deepspeed_private as private
+from deepspeed_z3ext.grads import reducer_of
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
 from deepspeed_z3ext.plan import ForwardPlan
 from deepspeed_z3ext.resident_set import ResidentSet
@@ -318,7 +319,11 @@ class Z3extCoordinator:
             else:
                 self._hold(sub_module, unit, args, outputs)
         if not self.running and phase is Phase.FORWARD:
-            self.backward_claims.seal(_grad_nodes(outputs) if not raised else ())
+            nodes = _grad_nodes(outputs) if not raised else ()
+            self.backward_claims.seal(nodes)
+            if self.backward_window.order:  # a rank whose backward fetches none of them walks them too
+                for node in nodes:
+                    node.register_prehook(self._walk_hook)
             if self._noting:
                 self._noting = False
                 self.resident.end_forward()
@@ -363,23 +368,97 @@ class Z3extCoordinator:
 
     def fetch_for_backward(self, module, token):
         """A module that was not held: its backward is about to run (tensor hook on its outputs). The
-        modules before it are gathered ahead ([Note: backward prefetch])."""
-        engine, window, unit = self.state.engine, self.backward_window, self.state.unit_for(module)
-        engine.unshard(unit, self._bwd, token)
+        positions above it are passed and the modules before it gathered ahead ([Note: backward prefetch],
+        [Note: backward walk])."""
+        engine, window = self.state.engine, self.backward_window
+        pos = window.position(module)
+        if pos is not None:
+            self.start_backward_walk()
+            if pos + 1 < window.walked:
+                self._walk(pos + 1)
+        engine.unshard(self.state.unit_for(module), self._bwd, token)
         self.backward_claims.on_pass_end(token)
-        ahead = window.reach(module)
+        if pos is None:
+            return
+        ahead = window.reach(pos)
         if ahead is not None:  # its own claim holds it now
             engine.reshard(ahead.unit, self._bwd, ahead.token, also_direct=False)
-        if not window.enabled:
+        self._refill_backward()
+
+    def start_backward_walk(self):
+        """A backward pass reaches this forward's released modules (a module's fetch, or the forward's
+        outputs): the pass's end passes the positions it did not reach ([Note: backward walk])."""
+        window = self.backward_window
+        if not window.order:
             return
-        batch = window.next_batch(self._unit_ahead, self._max_live - engine.live_numel)
-        if batch is None:
+        task = torch._C._current_graph_task_id()
+        if task < 0 or task == window.walk_task:
             return
-        modules, units = batch
-        ahead_token = self.backward_claims.new_token()
-        self.backward_claims.on_pass_end(ahead_token)
-        window.commit(modules, units, ahead_token)
-        engine.unshard_batch(units, self._bwd, [ahead_token] * len(units), True)
+        window.walk_task = task
+        window.start()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_walk)
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.agree_presence()  # [Note: presence agreed] in grads.py
+
+    def _reducer(self):
+        ref = self.state.optimizer
+        optimizer = ref() if ref is not None else None
+        if optimizer is None:
+            return None
+        return reducer_of(optimizer)
+
+    def _walk_hook(self, grad_outputs):
+        self.start_backward_walk()
+
+    def _end_backward_walk(self):
+        window = self.backward_window
+        if window.walked:
+            self._walk(0)
+        self._drop_passed()
+        window.walk_task = None
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.finish_walk()
+
+    def _walk(self, stop):
+        """Passes the positions from the walk's down to `stop`, each as if its module were fetched there."""
+        engine, window, claims_ = self.state.engine, self.backward_window, self.backward_claims
+        for q in range(window.walked - 1, stop - 1, -1):
+            ahead = window.reach(q)
+            if ahead is not None:
+                window.passed.append((ahead.unit, ahead.token))
+            else:
+                unit, t = self._unit_ahead(window.order[q]), claims_.new_token()
+                engine.unshard(unit, self._bwd, t)
+                claims_.on_pass_end(t)
+                window.passed.append((unit, t))
+            self._refill_backward(keep_last=True)
+
+    def _refill_backward(self, keep_last=False):
+        """The window refilled after a position was reached, then the claims of positions passed above it
+        dropped ([Note: backward walk]); `keep_last`: the position just passed keeps its claim."""
+        engine, window = self.state.engine, self.backward_window
+        if window.enabled:
+            batch = window.next_batch(self._unit_ahead, self._max_live - engine.live_numel)
+            if batch is not None:
+                positions, units = batch
+                ahead_token = self.backward_claims.new_token()
+                self.backward_claims.on_pass_end(ahead_token)
+                window.commit(positions, units, ahead_token)
+                engine.unshard_batch(units, self._bwd, [ahead_token] * len(units), True)
+        self._drop_passed(keep_last)
+
+    def _drop_passed(self, keep_last=False):
+        passed = self.backward_window.passed
+        if len(passed) > keep_last:
+            last = passed.pop() if keep_last else None
+            engine = self.state.engine
+            for unit, t in passed:
+                engine.reshard(unit, self._bwd, t, also_direct=False)
+            passed.clear()
+            if last is not None:
+                passed.append(last)
 
     def release_for_backward(self, module, token):
         """Its inputs' gradients are complete: its backward has run."""

@@ -27,6 +27,8 @@ as before.
 """
 import collections
 
+import weakref
+
 import torch
 
 from deepspeed.runtime.zero import stage3
@@ -90,6 +92,7 @@ def create_hooks(stock):
         state = of_optimizer(self)
         if state is None:
             return
+        state.optimizer = weakref.ref(self)
         params = _hooked_params(self)
         handles = self._grad_acc_hooks
         if len(handles) != len(params):

@@ -214,7 +214,7 @@ class GradLayout(NamedTuple):
 class GradPass:
     """One backward pass's progress through the layout: which gradients arrived, which cannot come."""
 
-    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate")
+    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate", "reduced", "deferred", "walked")
 
     def __init__(self, layout, accumulate):
         self.waiting = [len(b) for b in layout.buckets]  # parameters of each bucket neither arrived nor unreached
@@ -223,6 +223,9 @@ class GradPass:
         self.unreached = set()   # ds_ids this backward cannot reach (exact passes only)
         self.exact = False       # the pass ends at DeepSpeed's epilogue ([Note: fixed gradient layout])
         self.accumulate = accumulate  # stock's `micro_step_id != 0` when the pass began
+        self.reduced = [False] * len(layout.buckets)
+        self.deferred = frozenset()  # buckets some rank's backward cannot complete: reduced at the pass's end
+        self.walked = False      # the pass walks re-gathered modules: it ends at the walk's end ([Note: presence agreed])
 
 
 def _nested_backward() -> bool:
@@ -247,6 +250,7 @@ class GradReducer:
         self._pass: Optional[GradPass] = None
         self._arrival = {}  # ds_id -> position in this rank's first pass on a layout not yet ordered by arrivals
         self._ordered = False  # the layout follows the ranks' agreed arrival order
+        self._agreed = None  # (graph task, buckets deferred to its end) ([Note: presence agreed])
         self._agreement = state.agreement
         self._n_unreached = 0
         self._n_deferred = 0
@@ -318,7 +322,7 @@ class GradReducer:
             # retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or its hook fired
             # twice: a weight shared by two reentrant-checkpointed segments). Its bucket is not reduced yet (it
             # holds that tensor): the sum is reduced once.
-            if self.layout.bucket_of[ds_id] >= gpass.next:
+            if not gpass.reduced[self.layout.bucket_of[ds_id]]:
                 return
         if not getattr(param, "ds_grad_is_ready", True):
             return  # a transient gradient of a tiled computation: stock skips it too
@@ -331,7 +335,7 @@ class GradReducer:
         if index is None:
             raise GradientError(f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got a gradient but "
                                 "was not trainable when this backward began (requires_grad set during backward?)")
-        if index < gpass.next or ds_id in gpass.arrived or ds_id in gpass.unreached:
+        if gpass.reduced[index] or ds_id in gpass.arrived or ds_id in gpass.unreached:
             raise GradientError(
                 f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got its gradient after its bucket was "
                 "reduced in this backward (as a gradient this backward could not reach): a node ran a backward of its "
@@ -341,7 +345,7 @@ class GradReducer:
         if self._arrival is not None and ds_id not in self._arrival:
             self._arrival[ds_id] = len(self._arrival)
         gpass.waiting[index] -= 1
-        if index == gpass.next and not gpass.waiting[index]:
+        if not gpass.waiting[index] and index >= gpass.next and index not in gpass.deferred:
             self._advance(gpass)
 
     def _begin(self, task) -> GradPass:
@@ -354,6 +358,8 @@ class GradReducer:
             layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
             self._ordered, self._arrival = False, {}
         gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
+        if self._agreed is not None and self._agreed[0] == task:
+            gpass.deferred, gpass.walked = self._agreed[1], True
         unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
         if unreached is not None and not unreached[1] and not _nested_backward():
             gpass.exact = True
@@ -365,20 +371,61 @@ class GradReducer:
         return gpass
 
     def _advance(self, gpass, finish=False):
-        """Reduces the buckets from the first unreduced one on while each is complete (every bucket when
-        `finish`: gradients not in by now are zeros)."""
-        buckets = self.layout.buckets
-        while gpass.next < len(buckets) and (finish or not gpass.waiting[gpass.next]):
+        """Reduces the buckets from the first unreduced one on while each is complete, passing over those
+        deferred to the pass's end (every bucket left when `finish`, in order: gradients not in by now are
+        zeros)."""
+        buckets, deferred = self.layout.buckets, gpass.deferred
+        while gpass.next < len(buckets) and (finish or gpass.next in deferred or not gpass.waiting[gpass.next]):
             index = gpass.next
             gpass.next += 1
-            self._flush(buckets[index], gpass)
+            if index not in deferred or finish:
+                gpass.reduced[index] = True
+                self._flush(buckets[index], gpass)
+        if finish:
+            for index in sorted(deferred):
+                if not gpass.reduced[index]:
+                    gpass.reduced[index] = True
+                    self._flush(buckets[index], gpass)
+
+    def agree_presence(self):
+        """[Note: presence agreed] A backward that gathers modules again ([Note: backward walk] in window.py)
+        issues the same gathers on every rank, but a bucket is reduced once its gradients are in, and which
+        come differs by rank where the ranks' backwards reach different parameters: the reduce-scatter would sit
+        between other gathers on each rank, and one group's collectives must come in one order. So at the
+        walk's start, before the pass's first gather, the ranks vote (one tiny vote, over the host on NCCL) on
+        which buckets each can complete ([Note: fixed gradient layout]); a bucket holding a parameter that some
+        rank's backward cannot reach is reduced at the pass's end on every rank, in the layout's order, after
+        the walk's last gathers; the others as before, complete on every rank at the same step of the walk. A
+        pass that gathers nothing in backward (every unit held) needs no vote."""
+        optimizer = self._optimizer()
+        key = _trainable_key(optimizer)
+        if self.layout is None or self.layout.key != key:
+            self.layout = _make_layout(optimizer, key, self.bucket_size, None)
+            self._ordered, self._arrival = False, {}
+        layout = self.layout
+        full = [True] * len(layout.buckets)
+        unreached = ops().unreached_in_backward(layout.params)
+        if unreached is not None and not unreached[1] and not _nested_backward():
+            params, bucket_of = layout.params, layout.bucket_of
+            for i in unreached[0]:
+                full[bucket_of[params[i].ds_id]] = False
+        if self._agreement.world > 1:
+            full = self._agreement.all_true(full, kind=10)
+        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(full) if not f))
+
+    def finish_walk(self):
+        """The backward walk passed every position ([Note: presence agreed]): the pass's buckets left are reduced."""
+        gpass = self._pass
+        if gpass is not None and gpass.walked:
+            self._finish(gpass)
 
     def end_pass_at_epilogue(self):
         """DeepSpeed's epilogue: where every gradient of this pass is in, its remaining buckets are reduced, zeros
         for what did not come: in an exact pass, and after the backward returned (the engine's own call of the
         epilogue, outside any graph task) in any pass."""
         gpass = self._pass
-        if gpass is not None and (gpass.exact or torch._C._current_graph_task_id() == -1):
+        task = torch._C._current_graph_task_id()
+        if gpass is not None and (gpass.exact or task == -1) and not (gpass.walked and task != -1):
             self._finish(gpass)
 
     def end_backward(self):
@@ -400,7 +447,8 @@ class GradReducer:
         gpass, layout = self._pass, self.layout
         if gpass is None:
             return 0
-        return sum(p.ds_numel for b in layout.buckets[gpass.next:] for p in b if p.ds_id in gpass.arrived)
+        return sum(p.ds_numel for i, b in enumerate(layout.buckets) if not gpass.reduced[i] for p in b
+                   if p.ds_id in gpass.arrived)
 
     @torch.no_grad()
     def _flush(self, params, gpass):
@@ -557,7 +605,9 @@ class GradReducer:
     def _restore(self, gpass, params):
         """A flush raised: its bucket is unreduced again, and the pass is dropped at the next outermost forward
         ([Note: failed pass])."""
-        gpass.next = self.layout.bucket_of[params[0].ds_id]
+        index = self.layout.bucket_of[params[0].ds_id]
+        gpass.reduced[index] = False
+        gpass.next = min(gpass.next, index)
         self._pass_open = True  # raised in the epilogue, after the pass's own completion callback
 
     def _pass_done(self, task):
@@ -591,7 +641,9 @@ class GradReducer:
         gpass, self._pass = self._pass, None
         if gpass is None:
             return
-        for bucket in self.layout.buckets[gpass.next:]:
+        for i, bucket in enumerate(self.layout.buckets):
+            if gpass.reduced[i]:
+                continue
             for p in bucket:
                 if p.ds_id in gpass.arrived:
                     p.grad = None

@@ -78,7 +78,8 @@ def _device(group):
 KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph deaths", 4: "the schedule check",
          5: "an exchange of call arguments", 6: "the gradient norm's all-reduce",
          7: "the leak check's exchange", 8: "an exchange of gradient arrival order",
-         9: "a collective of full_weights (its arguments' exchange or a bucket's all-gather)"}
+         9: "a collective of full_weights (its arguments' exchange or a bucket's all-gather)",
+         10: "a vote on which gradients a backward can reach"}
 
 
 class Preagreement:
@@ -170,7 +171,7 @@ class RankAgreement:
         progress.end(index, _CPU if gloo else self.device)
         return out
 
-    def all_true(self, flags: List[bool]) -> List[bool]:
+    def all_true(self, flags: List[bool], kind: int = 3) -> List[bool]:
         """Each flag ANDed over the ranks ([Note: one schedule on every rank]), over the host ([Note: votes on
         the host])."""
         if self.world == 1:
@@ -178,7 +179,7 @@ class RankAgreement:
         self.votes += 1
         group = self._host_group()
         t = torch.tensor(flags, dtype=torch.int32, device=_CPU if group is not self.group else self.device)
-        self.collective([3, 0, -1, len(flags), 1],
+        self.collective([kind, 0, -1, len(flags), 1],
                         lambda async_op: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=async_op), group)
         return [bool(v) for v in t.tolist()]
 

@@ -99,6 +99,7 @@ class Z3extState:
         self.coordinator = None  # set by Z3extZeRoOffload
         self.compiled = False    # set when DeepCompile takes over the forward (fallback.py)
         self.grad_reducer = None  # grads.GradReducer at the first gradient, False: DeepSpeed's path
+        self.optimizer = None     # a weak reference to the stage-3 optimizer, once it hooked the gradients
         self.conditional_params = []  # reduced at each backward's end ([Note: conditional modules])
         self.params = []
         names = {id(p): n for n, p in module.named_parameters()}

@@ -104,20 +104,35 @@ class BackwardWindow:
     in one deferred collective ([Note: deferred wait]), within stage3_prefetch_bucket_size elements
     ahead and stage3_max_live_parameters live, refilled once half of the window was reached, as the
     forward's window ([Note: prefetch window]). Each such unit is claimed by a token of this backward
-    pass; its module's own fetch takes its per-call claim and drops the token's, and the pass's end
-    drops whatever a module never fetched (a branch that got no gradient), so nothing outlives the
-    pass. A unit larger than the window (a fetch group claimed whole, [Note: group claims]) is
-    gathered ahead alone when nothing else is ahead and it fits the live budget, as in the forward.
-    This is stock's trace prefetch in backward, with units instead of parameters."""
+    pass; its module's own fetch takes its per-call claim and drops the token's. A unit larger than the
+    window (a fetch group claimed whole, [Note: group claims]) is gathered ahead alone when nothing else
+    is ahead and it fits the live budget, as in the forward. This is stock's trace prefetch in backward,
+    with units instead of parameters.
+
+    [Note: backward walk] Which modules' backward runs may differ by rank (a head per task, a loss that
+    skips a branch): gathered as each backward arrives, the ranks would issue different all-gathers. So
+    a pass walks the whole order from the top down, the same on every rank: a module fetched for its
+    backward first *passes* every position above it not passed yet, each as if its module had been
+    fetched there (its unit claimed, gathered when not ahead, the window refilled), then takes its own.
+    A position passed without its module's fetch keeps its claim until the next position has been
+    reached and the window refilled, when a fetched module's own claim ends too (its inputs' gradient
+    hooks run after the hook that fetches the module before it), so live elements, and with them each
+    batch, are the same on every rank; the pass's end passes what is left down to the first position.
+    A module fetched after its position was passed (a backward out of the recorded order) gathers its
+    unit again on demand, as any module whose unit is not ahead. The gradient reduce-scatters share the
+    gathers' group; where they go among these gathers is agreed too ([Note: presence agreed] in grads.py)."""
 
     def __init__(self, bucket_numel: int):
         self.bucket_numel = bucket_numel
         self.order = []      # modules released after their forward, in this forward's order
         self._position = {}  # id(module) -> its last position in `order`
-        self._ahead = {}     # id(module) -> Ahead
+        self._ahead = {}     # position -> Ahead
         self.ahead_numel = 0
         self.frontier: Optional[int] = None  # the next position down to gather ahead (None: no backward yet)
+        self.walked: Optional[int] = None    # positions from here up are passed (None: no backward yet)
+        self.passed = []     # (unit, token) of positions passed without their module's fetch, claim still on
         self.gathered_ahead = 0  # units gathered ahead since the engine was created
+        self.walk_task = None    # the graph task of the pass walking the order
 
     @property
     def enabled(self) -> bool:
@@ -128,52 +143,65 @@ class BackwardWindow:
         self.order.clear()
         self._position.clear()
         self._ahead.clear()
+        self.passed.clear()
         self.ahead_numel = 0
-        self.frontier = None
+        self.frontier = self.walked = self.walk_task = None
 
     def released(self, module):
         """`module`'s forward call was released: its backward will fetch it."""
         self._position[id(module)] = len(self.order)
         self.order.append(module)
 
-    def reach(self, module) -> Optional[Ahead]:
-        """`module` is fetched for its backward: what was gathered ahead for it (its claim to drop), or
-        None. Units ahead of positions above it were passed: they no longer count against the window."""
-        pos = self._position.get(id(module))
-        if pos is None:
-            return None
-        mine = self._ahead.pop(id(module), None)
+    def position(self, module) -> Optional[int]:
+        return self._position.get(id(module))
+
+    def start(self) -> bool:
+        """A backward pass reaches this forward's modules: whether it is the first ([Note: backward walk])."""
+        if self.walked is not None:
+            return False
+        self.walked = len(self.order)
+        self.frontier = self.walked - 1
+        return True
+
+    def reach(self, pos: int) -> Optional[Ahead]:
+        """Position `pos` is fetched or passed: what was gathered ahead for it (its claim to drop or to keep
+        as the passing claim), or None. Units ahead of positions above it were passed."""
+        mine = self._ahead.pop(pos, None)
         if mine is not None:
             self.ahead_numel -= mine.numel
-        for key in [k for k, a in self._ahead.items() if a.position > pos]:
-            self.ahead_numel -= self._ahead.pop(key).numel
+        if self._ahead:
+            for key in [k for k in self._ahead if k > pos]:
+                a = self._ahead.pop(key)
+                self.ahead_numel -= a.numel
+                self.passed.append((a.unit, a.token))
         if self.frontier is None or self.frontier >= pos:
             self.frontier = pos - 1
+        if self.walked is None or pos < self.walked:
+            self.walked = pos
         return mine
 
     def next_batch(self, unit_for: Callable, live_room: int) -> Optional[Tuple[list, list]]:
-        """(modules, units) to gather ahead now, from the frontier down, or None."""
+        """(positions, units) to gather ahead now, from the frontier down, or None."""
         if self.frontier is None or self.frontier < 0 or self.ahead_numel * 2 > self.bucket_numel:
             return None
         room = min(self.bucket_numel - self.ahead_numel, live_room)
-        modules, units, numel, i = [], [], 0, self.frontier
+        positions, units, numel, i = [], [], 0, self.frontier
         while i >= 0:
-            module = self.order[i]
-            unit = unit_for(module)
-            if unit.partitioned and id(module) not in self._ahead:  # else gathered already, or ahead
+            unit = unit_for(self.order[i])
+            if unit.partitioned and i not in self._ahead:  # else gathered already, or ahead
                 n = unit.numel
                 if numel + n > room and (units or self._ahead or n > live_room):
                     break  # else a unit larger than the window, gathered ahead alone
-                modules.append(module)
+                positions.append(i)
                 units.append(unit)
                 numel += n
             i -= 1
         self.frontier = i
-        return (modules, units) if units else None
+        return (positions, units) if units else None
 
-    def commit(self, modules, units, token):
-        for module, unit in zip(modules, units):
+    def commit(self, positions, units, token):
+        for pos, unit in zip(positions, units):
             n = unit.numel
-            self._ahead[id(module)] = Ahead(unit, token, self._position[id(module)], n)
+            self._ahead[pos] = Ahead(unit, token, pos, n)
             self.ahead_numel += n
         self.gathered_ahead += len(units)
