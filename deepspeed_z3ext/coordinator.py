@@ -398,8 +398,9 @@ class Z3extCoordinator:
         window.start()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_walk)
         reducer = self._reducer()
-        if reducer is not None:
-            reducer.agree_presence()  # [Note: presence agreed] in grads.py
+        if reducer is not None:  # [Note: presence agreed] in grads.py
+            unneeded = reducer.agree_presence([self._unit_ahead(m) for m in window.order])
+            window.skip = frozenset(i for i, u in enumerate(unneeded) if u)
 
     def _reducer(self):
         ref = self.state.optimizer
@@ -425,6 +426,8 @@ class Z3extCoordinator:
         """Passes the positions from the walk's down to `stop`, each as if its module were fetched there."""
         engine, window, claims_ = self.state.engine, self.backward_window, self.backward_claims
         for q in range(window.walked - 1, stop - 1, -1):
+            if q in window.skip:
+                continue
             ahead = window.reach(q)
             if ahead is not None:
                 window.passed.append((ahead.unit, ahead.token))

@@ -148,7 +148,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -387,7 +387,7 @@ class GradReducer:
                     gpass.reduced[index] = True
                     self._flush(buckets[index], gpass)
 
-    def agree_presence(self):
+    def agree_presence(self, units=()) -> List[bool]:
         """[Note: presence agreed] A backward that gathers modules again ([Note: backward walk] in window.py)
         issues the same gathers on every rank, but a bucket is reduced once its gradients are in, and which
         come differs by rank where the ranks' backwards reach different parameters: the reduce-scatter would sit
@@ -396,7 +396,10 @@ class GradReducer:
         which buckets each can complete ([Note: fixed gradient layout]); a bucket holding a parameter that some
         rank's backward cannot reach is reduced at the pass's end on every rank, in the layout's order, after
         the walk's last gathers; the others as before, complete on every rank at the same step of the walk. A
-        pass that gathers nothing in backward (every unit held) needs no vote."""
+        pass that gathers nothing in backward (every unit held) needs no vote. The same vote says which of
+        `units` (the walk's, in order) no rank's backward needs: those with trainable parameters of which no
+        rank's backward reaches any, which the walk then passes over (a branch whose output the loss never
+        used); the result."""
         optimizer = self._optimizer()
         key = _trainable_key(optimizer)
         if self.layout is None or self.layout.key != key:
@@ -405,13 +408,23 @@ class GradReducer:
         layout = self.layout
         full = [True] * len(layout.buckets)
         unreached = ops().unreached_in_backward(layout.params)
+        bucket_of = layout.bucket_of
+        gone = set()
         if unreached is not None and not unreached[1] and not _nested_backward():
-            params, bucket_of = layout.params, layout.bucket_of
-            for i in unreached[0]:
-                full[bucket_of[params[i].ds_id]] = False
+            params = layout.params
+            gone = {params[i].ds_id for i in unreached[0]}
+            for ds_id in gone:
+                full[bucket_of[ds_id]] = False
+        unneeded = []
+        for unit in units:
+            trainable = [h.ds_id for h in unit.handles if h.ds_id in bucket_of]
+            unneeded.append(bool(trainable) and all(i in gone for i in trainable))
+        flags = full + unneeded
         if self._agreement.world > 1:
-            full = self._agreement.all_true(full, kind=10)
-        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(full) if not f))
+            flags = self._agreement.all_true(flags, kind=10)
+        n = len(full)
+        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(flags[:n]) if not f))
+        return flags[n:]
 
     def finish_walk(self):
         """The backward walk passed every position ([Note: presence agreed]): the pass's buckets left are reduced."""

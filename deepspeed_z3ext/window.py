@@ -118,6 +118,9 @@ class BackwardWindow:
     reached and the window refilled, when a fetched module's own claim ends too (its inputs' gradient
     hooks run after the hook that fetches the module before it), so live elements, and with them each
     batch, are the same on every rank; the pass's end passes what is left down to the first position.
+    Positions no rank's backward needs (trainable parameters none of which any rank's backward reaches:
+    a branch the loss never used) are agreed at the walk's start ([Note: presence agreed] in grads.py)
+    and passed over, neither gathered ahead nor on the way.
     A module fetched after its position was passed (a backward out of the recorded order) gathers its
     unit again on demand, as any module whose unit is not ahead. The gradient reduce-scatters share the
     gathers' group; where they go among these gathers is agreed too ([Note: presence agreed] in grads.py)."""
@@ -133,6 +136,7 @@ class BackwardWindow:
         self.passed = []     # (unit, token) of positions passed without their module's fetch, claim still on
         self.gathered_ahead = 0  # units gathered ahead since the engine was created
         self.walk_task = None    # the graph task of the pass walking the order
+        self.skip = frozenset()  # positions no rank's backward needs, agreed at the walk's start
 
     @property
     def enabled(self) -> bool:
@@ -146,6 +150,7 @@ class BackwardWindow:
         self.passed.clear()
         self.ahead_numel = 0
         self.frontier = self.walked = self.walk_task = None
+        self.skip = frozenset()
 
     def released(self, module):
         """`module`'s forward call was released: its backward will fetch it."""
@@ -187,6 +192,9 @@ class BackwardWindow:
         room = min(self.bucket_numel - self.ahead_numel, live_room)
         positions, units, numel, i = [], [], 0, self.frontier
         while i >= 0:
+            if i in self.skip:
+                i -= 1
+                continue
             unit = unit_for(self.order[i])
             if unit.partitioned and i not in self._ahead:  # else gathered already, or ahead
                 n = unit.numel

@@ -153,10 +153,6 @@ def draw(seed) -> Program:
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
         hold=r.random() < 0.7, live=r.choice((None, None, 100, 400)), prefetch=r.choice((None, 0, 200)),
         persistence=r.choice((0, 0, 10)), mel=r.random() < 0.5, bf16=r.random() < 0.2, events=tuple(events))
-    if unused is not None and unused[1] and not program.hold:
-        # Without hold_for_backward the head is gathered again by its backward, which runs on the ranks whose
-        # loss used it only: the ranks' backward gathers differ (z3ext raises a named error; not yet agreed).
-        program = program._replace(unused=(unused[0], False))
     return program
 
 

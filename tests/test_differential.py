@@ -56,3 +56,4 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert any(p.checkpoint for p in drawn) and any(p.tied for p in drawn) and any(p.bf16 for p in drawn)
     assert any(p.moe is not None for p in drawn) and any(p.sometimes is not None for p in drawn)
     assert any(p.unused is not None and p.unused[1] for p in drawn)  # gradients present on some ranks only
+    assert any(p.unused is not None and p.unused[1] and not p.hold for p in drawn)  # ... and gathered again in backward
