@@ -140,6 +140,10 @@ class Z3extCoordinator:
                 check.check("at an outermost forward")  # [Note: schedule check] in schedule.py
             _clean_module_stack()
             self.running.clear()
+            if self.backward_window.walk_task is not None:
+                # A backward walk that never ended: its pass raised, on every rank that walked it, whether or not
+                # a gradient had come ([Note: one-rank faults] in schedule.py)
+                self.state.engine.note_fault()
             self.backward_window.reset()
             if self.state.grad_reducer:
                 self.state.grad_reducer.abandon_pass()  # [Note: failed pass] in grads.py

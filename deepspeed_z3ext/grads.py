@@ -639,9 +639,11 @@ class GradReducer:
             return
         optimizer = self._optimizer()
         micro_step = getattr(optimizer, "micro_step_id", None)
+        walked = self._pass is not None and self._pass.walked
         self._drop_unreduced()
         self._n_abandoned += 1
-        self._faults.note_fault()  # [Note: one-rank faults] in schedule.py
+        if not walked:  # (a walked pass that raised is counted by its walk, on every rank alike)
+            self._faults.note_fault()  # [Note: one-rank faults] in schedule.py
         if self._pass_accumulated:
             logger.warning(f"z3ext: a backward pass raised at gradient-accumulation micro-step {micro_step} after "
                            f"adding {self._pass_accumulated} gradient partitions of its micro-batch into this window; "
