@@ -403,7 +403,7 @@ class Z3extCoordinator:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward_walk)
         reducer = self._reducer()
         if reducer is not None:  # [Note: presence agreed] in grads.py
-            unneeded = reducer.agree_presence([self._unit_ahead(m) for m in window.order])
+            unneeded = reducer.agree_presence(window.order, self._unit_ahead)
             window.skip = frozenset(i for i, u in enumerate(unneeded) if u)
 
     def _reducer(self):

@@ -250,7 +250,8 @@ class GradReducer:
         self._pass: Optional[GradPass] = None
         self._arrival = {}  # ds_id -> position in this rank's first pass on a layout not yet ordered by arrivals
         self._ordered = False  # the layout follows the ranks' agreed arrival order
-        self._agreed = None  # (graph task, buckets deferred to its end) ([Note: presence agreed])
+        self._agreed = None  # (graph task, buckets deferred to its end, unreached, exact) ([Note: presence agreed])
+        self._trainable_of = (None, {})  # (layout key, id(unit) -> (unit, its trainable ds_ids)) (agree_presence)
         self._agreement = state.agreement
         self._n_unreached = 0
         self._n_deferred = 0
@@ -352,16 +353,21 @@ class GradReducer:
         """The first gradient of a backward pass: the layout (re-made when the trainable parameters changed),
         and which of them this backward cannot reach ([Note: fixed gradient layout])."""
         optimizer = self._optimizer()
+        agreed = self._agreed if self._agreed is not None and self._agreed[0] == task else None
         layout = self.layout
-        key = _trainable_key(optimizer)
-        if layout is None or layout.key != key:
-            layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
-            self._ordered, self._arrival = False, {}
+        if agreed is None:  # (a walked pass made the layout for this task at its start)
+            key = _trainable_key(optimizer)
+            if layout is None or layout.key != key:
+                layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
+                self._ordered, self._arrival = False, {}
         gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
-        if self._agreed is not None and self._agreed[0] == task:
-            gpass.deferred, gpass.walked = self._agreed[1], True
-        unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
-        if unreached is not None and not unreached[1] and not _nested_backward():
+        if agreed is not None:
+            gpass.deferred, gpass.walked = agreed[1], True
+            unreached, exact = agreed[2], agreed[3]
+        else:
+            unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
+            exact = unreached is not None and not unreached[1] and not _nested_backward()
+        if exact:
             gpass.exact = True
             bucket_of, params, waiting = layout.bucket_of, layout.params, gpass.waiting
             for i in unreached[0]:
@@ -387,7 +393,7 @@ class GradReducer:
                     gpass.reduced[index] = True
                     self._flush(buckets[index], gpass)
 
-    def agree_presence(self, units=()) -> List[bool]:
+    def agree_presence(self, modules=(), unit_for=None) -> List[bool]:
         """[Note: presence agreed] A backward that gathers modules again ([Note: backward walk] in window.py)
         issues the same gathers on every rank, but a bucket is reduced once its gradients are in, and which
         come differs by rank where the ranks' backwards reach different parameters: the reduce-scatter would sit
@@ -397,7 +403,7 @@ class GradReducer:
         rank's backward cannot reach is reduced at the pass's end on every rank, in the layout's order, after
         the walk's last gathers; the others as before, complete on every rank at the same step of the walk. A
         pass that gathers nothing in backward (every unit held) needs no vote. The same vote says which of
-        `units` (the walk's, in order) no rank's backward needs: those with trainable parameters of which no
+        `modules` (the walk's, in order; `unit_for(module)` their units) no rank's backward needs: those with trainable parameters of which no
         rank's backward reaches any, which the walk then passes over (a branch whose output the loss never
         used); the result."""
         optimizer = self._optimizer()
@@ -408,22 +414,30 @@ class GradReducer:
         layout = self.layout
         full = [True] * len(layout.buckets)
         unreached = ops().unreached_in_backward(layout.params)
+        exact = unreached is not None and not unreached[1] and not _nested_backward()
         bucket_of = layout.bucket_of
-        gone = set()
-        if unreached is not None and not unreached[1] and not _nested_backward():
+        if exact and unreached[0]:
             params = layout.params
             gone = {params[i].ds_id for i in unreached[0]}
             for ds_id in gone:
                 full[bucket_of[ds_id]] = False
-        unneeded = []
-        for unit in units:
-            trainable = [h.ds_id for h in unit.handles if h.ds_id in bucket_of]
-            unneeded.append(bool(trainable) and all(i in gone for i in trainable))
+            if self._trainable_of[0] != layout.key:
+                self._trainable_of = (layout.key, {})
+            cache, unneeded = self._trainable_of[1], []
+            for module in modules:
+                unit = unit_for(module)
+                hit = cache.get(id(unit))
+                if hit is None or hit[0] is not unit:
+                    hit = cache[id(unit)] = (unit, [h.ds_id for h in unit.handles if h.ds_id in bucket_of])
+                unneeded.append(bool(hit[1]) and all(i in gone for i in hit[1]))
+        else:
+            unneeded = [False] * len(modules)
         flags = full + unneeded
         if self._agreement.world > 1:
             flags = self._agreement.all_true(flags, kind=10)
         n = len(full)
-        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(flags[:n]) if not f))
+        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(flags[:n]) if not f),
+                        unreached, exact)
         return flags[n:]
 
     def finish_walk(self):
