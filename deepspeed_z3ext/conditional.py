@@ -206,7 +206,7 @@ def mark_modules(root: nn.Module, entries) -> List[nn.Module]:
         if all(c is not m for c in children):
             children.append(m)
         params.extend(m.parameters())
-    return sorted({id(p): p for p in params}.values(), key=lambda p: p.ds_id)
+    return list({id(p): p for p in params}.values())  # (a model built outside zero.Init has no ds_ids yet)
 
 
 def conditional_params(module):

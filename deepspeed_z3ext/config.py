@@ -115,6 +115,13 @@ class Z3extConfig(BaseModel):
     module instead of gloo aborting in C++ ([Note: agree before the collective] in csrc/agreement.h); one tiny
     all-gather per collective. No effect on NCCL."""
 
+    agree_forwards: StrictBool = True
+    """Several ranks record a training forward's module order together (one tiny exchange per module fetch in
+    that first forward), and each later training forward gathers the positions it skips as if it ran them, so
+    that ranks running different modules (LayerDrop drawn per rank, a tower on some ranks' batches) still issue
+    the same collectives ([Note: forwards that differ by rank] in coordinator.py). Off: a rank-divergent forward
+    raises `ScheduleMismatchError` naming each rank's module (gloo), or at the step's check (NCCL)."""
+
     hang_timeout: float = Field(60.0, ge=0)
     """Seconds a z3ext collective may stay incomplete before the ranks compare what they did: where they differ
     (another module, other sizes, different collectives waited in) every rank raises at once, naming each rank's

@@ -4,6 +4,28 @@ It stands in for DeepSpeed's PartitionedParameterCoordinator behind the same int
 DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Each module's
 parameters form one fetch unit, and in forward a repeated block's modules form one ([Note: fetch
 groups] in groups.py): one C++ call claims and gathers it, one call releases it.
+
+[Note: forwards that differ by rank] Ranks may run different modules in a training forward (LayerDrop drawn per
+rank, a vision tower on some ranks' batches, a head per task): each rank would gather what it runs, and the
+ranks' all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on by default):
+- The first training forward is recorded by the ranks together: before each fetch the ranks exchange the ds_id
+  of the module each fetches next (a rank whose forward is over asks for none); the smallest is served, and a rank
+  that asked for another gathers the served module as one it skips, until its own is served. Every rank so
+  records the same plan, the union of what ran, in one order ([Note: forward plan] in plan.py); one tiny exchange
+  per module, in that forward only. Where the ranks ran different modules, no fetch groups are formed (they are
+  formed from what each rank ran), and the members of a list of like modules that no rank ran are put in the plan
+  by analogy with one that ran (`plan.fill_siblings`: LayerDrop may drop a layer everywhere in that forward).
+- Every later training forward walks the plan: a module fetched past the cursor first passes the positions it
+  skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
+  end passes what is left of the forward's positions.
+- A skipped module is released as its own forward's end would decide on a rank that ran it: held for backward
+  within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward walk] in window.py), so
+  that budgets, holds and backward gathers stay the same on every rank; a unit without trainable parameters is
+  taken as one whose outputs need no gradient (a frozen tower on pixels).
+The gradients need nothing more ([Note: fixed gradient layout], [Note: presence agreed] in grads.py). Not covered:
+a module off the plan on some ranks only (never run while recording, and no sibling to copy), which the ranks'
+collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) and no_grad forwards
+are not walked.
 """
 import contextlib
 import functools
@@ -16,10 +38,11 @@ from deepspeed_z3ext.groups import MemberClaims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.grads import reducer_of
 from deepspeed_z3ext.graphs import BackwardClaims, Phase, claim_per_call, forward_phase, grad_nodes as _grad_nodes, in_backward
-from deepspeed_z3ext.plan import ForwardPlan
+from deepspeed_z3ext.plan import ForwardPlan, fill_siblings
 from deepspeed_z3ext.resident_set import ResidentSet
 from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
+_END = 1 << 62  # what a rank whose forward is over asks for ([Note: forwards that differ by rank])
 _RESIDENT_SHARE = 0.5  # of the free memory, what generation may keep gathered ([Note: resident budget])
 
 
@@ -80,6 +103,12 @@ class Z3extCoordinator:
                                  group_claim_max_numel)  # [Note: group claims] in groups.py
         self._groups_formed = False
         self._covered = {}  # id(member) -> its open FetchGroup
+        # [Note: forwards that differ by rank]: this outermost forward records its plan with the other ranks, or
+        # walks the plan's positions it skips
+        self._recording_together = False
+        self._walking = False
+        self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
+        self._param_by_ds_id = None
 
     def _resident_from_memory(self):
         """[Note: resident budget] in resident_set.py: the elements half of this rank's free memory holds, at
@@ -155,19 +184,34 @@ class Z3extCoordinator:
         if self.plan.order is not recorded:
             self._adopted(self.plan)
         self._forwards += 1
+        together = (torch.is_grad_enabled() and not in_backward() and self.state.agreement.world > 1
+                    and self.state.config.agree_forwards)
+        self._recording_together = together and self.plan.recording
+        self._walking = together and not self.plan.recording and self.plan.agreed
+        if self._recording_together:
+            self.plan.agreed = True
 
     def _adopted(self, plan):
         """`plan` took a new order: the first one forms the groups ([Note: fetch groups]); each one
         sees a group's members as its owner."""
         state = self.state
+        if plan.agreed and plan.diverged_recording:  # [Note: forwards that differ by rank]
+            plan.order = fill_siblings(plan.order, state.module)
         if not self._groups_formed:
             self._groups_formed = True
-            state.groups = groups.form(plan.order, plan.spans, state.module, self._group_max,
-                                       lambda m: state.unit_for(m).numel)
+            # Groups are formed from what each rank ran: not where the ranks ran different modules.
+            state.groups = {} if plan.diverged_recording else groups.form(
+                plan.order, plan.spans, state.module, self._group_max, lambda m: state.unit_for(m).numel)
             for p in self.plans.values():
                 p.spans = {}
+                end = p.forward_len
+                if end is not None:
+                    p.forward_len = len(groups.collapse(p.order[:end], state.groups))
                 p.order = groups.collapse(p.order, state.groups)
         else:
+            end = plan.forward_len
+            if end is not None:
+                plan.forward_len = len(groups.collapse(plan.order[:end], state.groups))
             plan.order = groups.collapse(plan.order, state.groups)
 
     def open_group_of(self, module):
@@ -257,6 +301,14 @@ class Z3extCoordinator:
             if self.window.enabled and self.window.empty() and plan.cursor < len(plan.order):
                 self._prefetch(plan.cursor)
             return
+        if self._recording_together and forward_phase() is Phase.FORWARD:
+            self._record_together(sub_module.ds_id)
+        elif self._walking:
+            c = plan.cursor
+            if c < len(plan.order) and plan.order[c] is not sub_module and forward_phase() is Phase.FORWARD:
+                p = plan.ahead(sub_module)
+                if p is not None:
+                    self._walk_forward(p)
         pos = plan.observe(sub_module)
         state.engine.unshard(unit, self._fwd, sub_module.ds_id)
         if state.groups:
@@ -265,6 +317,75 @@ class Z3extCoordinator:
                 self._open(group, unit)
         if pos is not None and self.window.enabled:
             self._prefetch(pos)
+
+    # -- [Note: forwards that differ by rank] ---------------------------------------------------------
+    def _record_together(self, ds_id):
+        """Before this rank's fetch of module `ds_id` (`_END`: this rank's forward is over) in a forward recorded
+        together: the ranks exchange what each fetches next; the smallest ds_id asked for is served (the ranks that
+        asked for another gather it as a skipped module) until this rank's own is."""
+        agreement, plan = self.state.agreement, self.plan
+        while True:
+            rows = agreement.all_gather([ds_id], kind=11)
+            served = min(r[0] for r in rows)
+            if served == ds_id or served == _END:
+                return
+            plan.diverged_recording = True
+            if self._by_ds_id is None:
+                self._by_ds_id = {m.ds_id: m for m in self.state.module.modules() if hasattr(m, "ds_id")}
+            module = self._by_ds_id[served]
+            plan.observe(module)
+            self._skipped(module, None)
+
+    def _walk_forward(self, stop):
+        """Plan positions from the cursor to `stop` that this rank's forward skips: each gathered (or passed in
+        the window) and released as if its module had run."""
+        plan = self.plan
+        while plan.cursor < stop:
+            module = plan.order[plan.cursor]
+            self._skipped(module, plan.observe(module))
+
+    def _skipped(self, module, pos):
+        """`module` is gathered for a forward this rank does not run (`pos`: the plan position after it), then
+        released, or held for backward, or recorded for backward's walk, as its forward's end would decide on
+        a rank that ran it, so that every rank's budgets, holds and backward gathers stay the same."""
+        engine = self.state.engine
+        unit = self.state.unit_for(module, checked=False)
+        if not len(unit):
+            return
+        engine.unshard(unit, self._fwd, module.ds_id)
+        if pos is not None and self.window.enabled:
+            self._prefetch(pos)
+        if not self._trainable(unit):  # its outputs would need no gradient: nothing held or claimed
+            engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
+            return
+        group = self.state.groups.get(id(module)) if self.state.groups else None
+        if group is not None and unit.numel > self._group_claim_max and not self._holds(
+                self.backward_claims.open, id(module), unit.numel):
+            for member in group.members:  # [Note: group claims]: each member held or gathered again alone
+                self._held_as_if(member, self.state.unit_for(member, checked=False))
+        else:
+            self._held_as_if(module, unit)
+        engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
+
+    def _trainable(self, unit) -> bool:
+        by_id = self._param_by_ds_id
+        if by_id is None:
+            by_id = self._param_by_ds_id = {p.ds_id: p for p in self.state.params}
+        return any(by_id[h.ds_id].requires_grad for h in unit.handles if h.ds_id in by_id)
+
+    def _held_as_if(self, module, unit):
+        if not len(unit):
+            return
+        graphs = self.backward_claims
+        if self._hold_enabled:
+            g, key = graphs.graph(), id(module)
+            if self._holds(g, key, unit.numel):
+                self.state.engine.unshard(unit, self._bwd, g.token)
+                if key not in g.held:
+                    g.held.add(key)
+                    g.held_numel += unit.numel
+                return
+        self.backward_window.released(module)
 
     def _prefetch(self, pos):
         """Gathers the next plan positions ahead of their modules ([Note: prefetch window])."""
@@ -323,6 +444,12 @@ class Z3extCoordinator:
             else:
                 self._hold(sub_module, unit, args, outputs)
         if not self.running and phase is Phase.FORWARD:
+            plan = self.plan
+            if self._recording_together and not raised:
+                self._record_together(_END)  # [Note: forwards that differ by rank]
+            elif self._walking and not raised and plan.forward_len is not None and plan.cursor < plan.forward_len:
+                self._walk_forward(plan.forward_len)
+            plan.end_forward()
             nodes = _grad_nodes(outputs) if not raised else ()
             self.backward_claims.seal(nodes)
             if self.backward_window.order:  # a rank whose backward fetches none of them walks them too

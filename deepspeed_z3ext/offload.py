@@ -64,7 +64,7 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         super().__init__(module, timers, ds_config, *args, **kwargs)
         conditional.warn_over_budget(blocks, self._max_available_parameters_in_numel)
         self.z3ext = Z3extState(self.module, z3ext_config, self.persistent_parameters)
-        self.z3ext.conditional_params = skipped
+        self.z3ext.conditional_params = sorted(skipped, key=lambda p: p.ds_id)
         swap.attach_residency(self.z3ext.engine, self.z3ext.params)  # [Note: nvme offload]
         # stage3_max_reuse_distance 0 asks stock to release every parameter right after its module
         # and fetch it again for backward: z3ext honours it by not holding for backward.

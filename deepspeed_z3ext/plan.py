@@ -41,6 +41,10 @@ class ForwardPlan:
         # id(module) -> [module, len(observed) at its first forward's start, at its end]: where each
         # module's first forward sits in the recorded order ([Note: fetch groups] in groups.py)
         self.spans = {}
+        self.forward_len = None   # positions of the outermost forward itself (the rest: recomputation in backward)
+        self.observed_forward_len = None  # this forward's
+        self.agreed = False       # recorded by the ranks together ([Note: forwards that differ by rank])
+        self.diverged_recording = False  # ... and the ranks ran different modules then
 
     def start_forward(self):
         """An outermost forward starts: the previous one's order becomes the plan if it was the
@@ -49,11 +53,21 @@ class ForwardPlan:
             if self.state is PlanState.REPLAYING:
                 self.resyncs += 1
             self.order = self.observed
+            self.forward_len = self.observed_forward_len
             self.state = PlanState.REPLAYING
             self.recording = False
         self.observed = []
         self.cursor = 0
         self.divergence = None
+
+    def ahead(self, module) -> Optional[int]:
+        """While replaying: the next position of `module` at or after the cursor, or None."""
+        order = self.order
+        return next((i for i in range(self.cursor, len(order)) if order[i] is module), None)
+
+    def end_forward(self):
+        """The outermost forward returned: what its own forward fetched (not a recomputation in backward)."""
+        self.observed_forward_len = len(self.observed)
 
     def enter(self, module):
         """While recording: a module's forward starts."""
@@ -86,3 +100,46 @@ class ForwardPlan:
 
 def _name(module):
     return f"{type(module).__name__}(ds_id {getattr(module, 'ds_id', '?')})"
+
+
+def fill_siblings(order, root):
+    """`order` with the members of a list of like modules (an `nn.ModuleList` of layers) that no rank ran while
+    it was recorded inserted where they belong, by analogy with a member that ran: LayerDrop may drop a layer on
+    every rank in the recorded forward and run it later ([Note: forwards that differ by rank] in coordinator.py)."""
+    import torch.nn as nn
+    names = {id(m): n for n, m in root.named_modules()}
+    by_name = {n: m for n, m in root.named_modules()}
+    for container in root.modules():
+        if not isinstance(container, nn.ModuleList) or len(container) < 2:
+            continue
+        members = list(container)
+        if len({type(m) for m in members}) != 1:
+            continue
+        inside = [{id(x) for x in m.modules()} for m in members]
+        runs = [[i for i, x in enumerate(order) if id(x) in ins] for ins in inside]
+        present = [k for k, r in enumerate(runs) if r]
+        if not present or len(present) == len(members):
+            continue
+        t = present[0]
+        if runs[t] != list(range(runs[t][0], runs[t][-1] + 1)):
+            continue  # its modules are not one run of the plan: no place to copy
+        prefix_t = names[id(members[t])]
+        template = [names[id(order[i])][len(prefix_t):] for i in runs[t]]
+        inserts = {}  # plan position -> modules to insert before it
+        for k in range(len(members)):
+            if runs[k]:
+                continue
+            copy = [by_name.get(names[id(members[k])] + rest) for rest in template]
+            if any(m is None for m in copy):
+                continue
+            before = next((runs[j][-1] + 1 for j in range(k - 1, -1, -1) if runs[j]), None)
+            at = before if before is not None else next(runs[j][0] for j in range(k + 1, len(members)) if runs[j])
+            inserts.setdefault(at, []).extend(copy)
+        if inserts:
+            out = []
+            for i in range(len(order) + 1):
+                out.extend(inserts.get(i, ()))
+                if i < len(order):
+                    out.append(order[i])
+            order = out
+    return order

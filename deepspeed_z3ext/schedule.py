@@ -79,7 +79,8 @@ KINDS = {1: "an all-gather", 2: "a gradient reduce-scatter", 3: "a vote on graph
          5: "an exchange of call arguments", 6: "the gradient norm's all-reduce",
          7: "the leak check's exchange", 8: "an exchange of gradient arrival order",
          9: "a collective of full_weights (its arguments' exchange or a bucket's all-gather)",
-         10: "a vote on which gradients a backward can reach"}
+         10: "a vote on which gradients a backward can reach",
+         11: "an exchange of the module each rank fetches next (a forward recorded together)"}
 
 
 class Preagreement:
