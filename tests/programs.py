@@ -96,6 +96,7 @@ class Program(NamedTuple):
     moe: Optional[int] = None  # a mixture-of-experts block (one module per expert, top-1) after this layer
     sometimes: Optional[Tuple[int, int, bool]] = None  # (layer, period, per rank): that layer runs only when
     # (micro-step + (rank if per rank else 0)) % period == 0
+    undeclared: bool = False  # a per-rank "sometimes" layer not in conditional_modules: agreed forwards train it
     unused: Optional[Tuple[int, bool]] = None  # (period, per rank): an aux head runs on every rank; its output is
     # in the loss only when (micro-step + (rank if per rank else 0)) % period == 0 (nothing declared in z3ext; stock
     # adds it times 0.0 elsewhere): the parameters that get a gradient differ by rank and micro-step
@@ -104,7 +105,7 @@ class Program(NamedTuple):
         return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
                 f"ga={self.ga} steps={self.steps} clip={self.clip} bucket={self.bucket} hold={self.hold} "
                 f"live={self.live} prefetch={self.prefetch} persistence={self.persistence} mel={self.mel} "
-                f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes} "
+                f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes} undeclared={self.undeclared} "
                 f"unused={self.unused}")
 
 
@@ -158,6 +159,10 @@ def draw(seed) -> Program:
         # which gradients cannot come ([Note: presence agreed] in grads.py): the ranks' reduce-scatters would sit
         # between different gathers (z3ext raises a named error).
         program = program._replace(unused=(unused[0], False))
+    if sometimes is not None and sometimes[2] and not (checkpoint is not None and checkpoint[2]) and \
+            random.Random(f"undeclared {seed}").random() < 0.5:
+        # nothing declared: the ranks record the first forward together ([Note: forwards that differ by rank])
+        program = program._replace(undeclared=True)
     return program
 
 
@@ -181,7 +186,7 @@ def config(program, z3ext):
             # A detected block is bounded by a fetch group ([Note: a bounded guess] in conditional.py), half the
             # drawn live budget of a few hundred elements: the program allows the block's size.
             cfg["z3ext"]["fetch_group_numel"] = 10**6
-        if program.sometimes is not None and program.sometimes[2]:
+        if program.sometimes is not None and program.sometimes[2] and not program.undeclared:
             cfg["z3ext"]["conditional_modules"] = ["layers." + str(_order(program.layers)[program.sometimes[0]])]
     return cfg
 

@@ -256,9 +256,10 @@ def test_plan_coalesces_forward_gathers_and_survives_divergence():
         # Step 0 records (one collective per unit); replayed forwards coalesce into far fewer.
         assert r["per_forward"][0] == r["units"]
         assert r["per_forward"][1] < r["units"] // 2, r["per_forward"]
-        # Steps 2 and 3 diverge (prefetch reduced, never an error); step 4 repeats step 3's order,
-        # which the plan adopted: it is coalesced again.
-        assert r["diverged"] == 2 and r["resyncs"] >= 1, r
+        # Step 2 skips a block: it is gathered and released all the same, as a rank that ran it would ([Note:
+        # forwards that differ by rank]); step 3 diverges (prefetch reduced, never an error); step 4 repeats
+        # step 3's order, which the plan adopted: it is coalesced again.
+        assert r["diverged"] == 1 and r["resyncs"] >= 1, r
         assert r["per_forward"][4] < r["units"] // 2, r["per_forward"]
 
 
@@ -440,7 +441,7 @@ def test_fetch_groups_one_unit_per_block():
         assert r["groups-nohold_regathered"] == ["Embedding"] + ["Block"] * 4 + ["LayerNorm", "Linear", "TinyGPT"], r
         partial = r["groups-partial-hold_regathered"]  # members, those within the 5000-element hold held
         assert "Block" not in partial and partial.count("Linear") > 5 and "LayerNorm" not in partial, r
-        assert r["groups_resyncs"] == 1, r  # the skipping forward's order, adopted by the next forward
+        assert r["groups_resyncs"] == 0, r  # the skipped block walked ([Note: forwards that differ by rank])
 
 
 def member_hooks_case():

@@ -57,3 +57,4 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert any(p.moe is not None for p in drawn) and any(p.sometimes is not None for p in drawn)
     assert any(p.unused is not None and p.unused[1] for p in drawn)  # gradients present on some ranks only
     assert any(p.unused is not None and p.unused[1] and not p.hold for p in drawn)  # ... and gathered again in backward
+    assert any(p.undeclared for p in drawn)  # a layer some ranks skip in forward, nothing declared
