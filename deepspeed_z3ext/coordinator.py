@@ -17,7 +17,8 @@ ranks' all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on 
   by analogy with one that ran (`plan.fill_siblings`: LayerDrop may drop a layer everywhere in that forward).
 - Every later training forward walks the plan: a module fetched past the cursor first passes the positions it
   skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
-  end passes what is left of the forward's positions.
+  end passes what is left of the forward's positions, unless the forward left the plan (a module off it: another
+  kind of forward, such as a submodule called on its own, which adopts its own plan as before).
 - A skipped module is released as its own forward's end would decide on a rank that ran it: held for backward
   within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward walk] in window.py), so
   that budgets, holds and backward gathers stay the same on every rank; a unit without trainable parameters is
@@ -447,8 +448,9 @@ class Z3extCoordinator:
             plan = self.plan
             if self._recording_together and not raised:
                 self._record_together(_END)  # [Note: forwards that differ by rank]
-            elif self._walking and not raised and plan.forward_len is not None and plan.cursor < plan.forward_len:
-                self._walk_forward(plan.forward_len)
+            elif self._walking and not raised and plan.divergence is None and plan.forward_len is not None and \
+                    plan.cursor < plan.forward_len:
+                self._walk_forward(plan.forward_len)  # (not after a module off the plan: another kind of forward)
             plan.end_forward()
             nodes = _grad_nodes(outputs) if not raised else ()
             self.backward_claims.seal(nodes)

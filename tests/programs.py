@@ -160,8 +160,10 @@ def draw(seed) -> Program:
         # between different gathers (z3ext raises a named error).
         program = program._replace(unused=(unused[0], False))
     if sometimes is not None and sometimes[2] and not (checkpoint is not None and checkpoint[2]) and \
-            random.Random(f"undeclared {seed}").random() < 0.5:
-        # nothing declared: the ranks record the first forward together ([Note: forwards that differ by rank])
+            layers[_order(layers)[sometimes[0]]] != "lora" and random.Random(f"undeclared {seed}").random() < 0.5:
+        # Nothing declared: the ranks record the first forward together ([Note: forwards that differ by rank]).
+        # Not a LoRA layer: a rank that skips it cannot tell whether its frozen base's outputs would need a
+        # gradient (they do, from the layer's input), so its hold and backward gathers could differ.
         program = program._replace(undeclared=True)
     return program
 
@@ -295,7 +297,10 @@ def _model(program):
                                     if program.sometimes is not None else None)
 
         def layer(self, i, x):
-            if program.sometimes is not None and self.order[i] == self.sometimes_layer:
+            # Undeclared, the layer runs in no_grad forwards (eval): those are not walked ([Note: forwards that
+            # differ by rank]), and ranks skipping different modules there raise a named error.
+            if program.sometimes is not None and self.order[i] == self.sometimes_layer and \
+                    (torch.is_grad_enabled() or not program.undeclared):
                 layer, period, per_rank = program.sometimes
                 if (self.micro + (self.rank if per_rank else 0)) % period != 0:
                     if self.dummy:  # stock's way: the layer runs and counts 0 times
