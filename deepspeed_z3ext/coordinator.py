@@ -375,18 +375,8 @@ class Z3extCoordinator:
         return any(by_id[h.ds_id].requires_grad for h in unit.handles if h.ds_id in by_id)
 
     def _held_as_if(self, module, unit):
-        if not len(unit):
-            return
-        graphs = self.backward_claims
-        if self._hold_enabled:
-            g, key = graphs.graph(), id(module)
-            if self._holds(g, key, unit.numel):
-                self.state.engine.unshard(unit, self._bwd, g.token)
-                if key not in g.held:
-                    g.held.add(key)
-                    g.held_numel += unit.numel
-                return
-        self.backward_window.released(module)
+        if len(unit) and not self._held(module, unit):
+            self.backward_window.released(module)
 
     def _prefetch(self, pos):
         """Gathers the next plan positions ahead of their modules ([Note: prefetch window])."""
@@ -468,17 +458,22 @@ class Z3extCoordinator:
     def _hold_or_claim(self, module, unit, args, outputs):
         """The gathered `unit` of a grad-enabled call of `module` is held for the graph's backward, or
         the call takes a claim that gathers it again for its backward."""
-        engine, graphs = self.state.engine, self.backward_claims
-        if self._hold_enabled:
-            g, key = graphs.graph(), id(module)
-            if self._holds(g, key, unit.numel):
-                engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
-                if key not in g.held:
-                    g.held.add(key)
-                    g.held_numel += unit.numel
-                return
-        claim_per_call(self, module, graphs.new_token(), args, outputs, gathered=False)
-        self.backward_window.released(module)
+        if not self._held(module, unit):
+            claim_per_call(self, module, self.backward_claims.new_token(), args, outputs, gathered=False)
+            self.backward_window.released(module)
+
+    def _held(self, module, unit) -> bool:
+        """Whether the open graph holds `unit` of `module` for backward, within the budgets (taking the hold)."""
+        if not self._hold_enabled:
+            return False
+        g, key = self.backward_claims.graph(), id(module)
+        if not self._holds(g, key, unit.numel):
+            return False
+        self.state.engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
+        if key not in g.held:
+            g.held.add(key)
+            g.held_numel += unit.numel
+        return True
 
     def _recomputed(self, module, unit, args, outputs):
         """A forward inside a backward pass (activation-checkpoint recomputation): the module stays
