@@ -405,7 +405,15 @@ def test_grad_mode_linear_node_is_stocks_bits_on_cuda():
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3 as F
     from deepspeed_z3ext import linear
     from deepspeed_z3ext._ops import ops
-    node = linear._load(ops())
+    from deepspeed_z3ext.state import STATE_ATTR
+    linear._load(ops())
+
+    def node(x, w, b):  # [Note: linear in one call]: the node, for a z3ext weight (a Parameter marked as one)
+        setattr(w, STATE_ATTR, None)
+        out = ops().linear_call(x, w, b)
+        assert out is not None, "linear_call declined a plain input and a z3ext weight"
+        return out
+
     stock = inspect.getattr_static(torch.autograd.Function, "apply").__get__(None, F)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in [(8, 64), (2, 5, 64), (64, )]:
@@ -416,7 +424,7 @@ def test_grad_mode_linear_node_is_stocks_bits_on_cuda():
                 b = torch.randn(32, device="cuda", dtype=dtype, generator=g) if with_bias else None
                 results = []
                 for apply in (stock, node):
-                    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+                    xs, ws = x.clone().requires_grad_(), torch.nn.Parameter(w.clone())
                     bs = b.clone().requires_grad_() if b is not None else None
                     y = apply(xs, ws, bs)
                     y.backward(torch.randn(y.shape, device="cuda", dtype=dtype,
