@@ -9,9 +9,13 @@ autograd graph that saved those parameters, and ends only when that graph cannot
   the outermost forward returns, the graph is *sealed*: a pre-hook is put on the grad_fn of each
   output that needs grad (outputs walked at any depth). A graph with no such output can never run
   backward: its claims are dropped at once (an evaluation forward without `no_grad`).
-- A backward that executes every one of the graph's output nodes has run the whole graph: its
-  claims are dropped when that backward pass completes (an autograd engine callback). A backward
-  that reached only some outputs leaves the graph claimed.
+- A backward that executes any of the graph's output nodes ends the graph: its claims are dropped
+  when that backward pass completes (an autograd engine callback). Which outputs a rank's loss
+  reaches may differ by rank (BART's encoder output, which a decoder that dropped every layer never
+  reads); that a backward ran through the forward's outputs does not, so the graph ends on every
+  rank at the same pass and the set of sealed graphs, which the votes below walk, stays the same on
+  every rank. A later backward through an output the first one did not reach would find the held
+  parameters released: it raises, naming the output ([Note: one backward per graph]).
 - A graph whose output nodes were all freed without such a backward (the loss abandoned) is
   dropped at the next outermost forward or backward end once it is dead on every rank, or at the step: the
   pre-hooks share a sentinel whose finaliser queues the token (no engine call from a finaliser: it may
@@ -28,10 +32,19 @@ Early: never (a claim ends only after the graph or the call that owns it is done
 whose backward covers only part of its outputs keeps its claims until it is freed or the step.
 A backward with `retain_graph=True` followed by a second backward through the same held modules is
 not supported (the first pass ends the graph's claims).
+
+[Note: one backward per graph] A graph ends with the first backward pass that reaches one of its
+outputs. An output that pass did not reach keeps its pre-hook; if a later backward reaches it, the
+modules it runs through may have been released, so the hook raises a Z3extError naming the output and
+what to do (one backward through all of a forward's losses, or the loss of each output from its own
+forward) rather than let autograd fail on an empty parameter or, for DeepSpeed's linear, gather it
+alone in backward. Ending the graph only once every output was reached would keep it claimed on a
+rank whose loss skipped an output and not on the others: their next gathers would differ.
 """
 import collections
 import dataclasses
 import enum
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -61,23 +74,24 @@ class GraphState(enum.Enum):
 
 
 class _Graph:
-    __slots__ = ("token", "state", "held", "held_numel", "roots", "reached")
+    __slots__ = ("token", "state", "held", "held_numel", "sentinel", "reached")
 
     def __init__(self, token):
         self.token = token
         self.state = GraphState.OPEN
         self.held = set()  # ids of modules holding a claim of this graph
         self.held_numel = 0  # their units' elements
-        self.roots = 0     # output nodes that need grad
-        self.reached = set()  # output nodes a backward has executed
+        self.sentinel = None  # a weak reference to its outputs' _Sentinel (a strong one would keep it alive)
+        self.reached = []  # outputs the ending backward executed
 
 
 class _Sentinel:
     """Shared by a graph's output pre-hooks; dies with the last of its output nodes."""
-    __slots__ = ("token", "dead", "__weakref__")
+    __slots__ = ("token", "dead", "reached", "__weakref__")
 
     def __init__(self, token, dead):
         self.token, self.dead = token, dead
+        self.reached = None  # once the graph ended: the outputs its backward reached ([Note: one backward per graph])
 
     def __del__(self):
         self.dead.append(self.token)  # deque.append is atomic: safe from any thread
@@ -91,6 +105,15 @@ class _RootHook:
         self.claims, self.token, self.index, self.sentinel = claims, token, index, sentinel
 
     def __call__(self, grad_outputs):
+        ended = self.sentinel.reached
+        if ended is not None and self.index not in ended:
+            from deepspeed_z3ext.errors import Z3extError
+            raise Z3extError(
+                f"z3ext: a backward reached output {self.index} of a forward whose graph an earlier backward "
+                f"already ended (it reached output(s) {ended} of that forward, not this one): the parameters "
+                "the forward held for backward were released when that pass completed ([Note: one backward per "
+                "graph] in deepspeed_z3ext/graphs.py). Backward once through a loss that sums every output's "
+                "loss, or compute each output from its own forward")
         self.claims._reached(self.token, self.index)
         return None
 
@@ -107,6 +130,7 @@ class BackwardClaims:
         self._sealed: Dict[int, _Graph] = {}
         self._dead = collections.deque()  # tokens whose sentinel died (appended by finalisers)
         self._dead_here = set()  # sealed graphs dead on this rank, not yet on every rank
+        self._ending: Dict[int, _Graph] = {}  # sealed graphs a running backward reached: they end with its pass
         self._passes: Dict[int, List[int]] = {}  # graph task id -> tokens to drop when it completes
 
     def new_token(self) -> int:
@@ -128,21 +152,32 @@ class BackwardClaims:
         if not output_nodes or not g.held:
             self._drop([g.token])
             return
-        g.state, g.roots = GraphState.SEALED, len(output_nodes)
+        g.state = GraphState.SEALED
         self._sealed[g.token] = g
         sentinel = _Sentinel(g.token, self._dead)
+        g.sentinel = weakref.ref(sentinel)
         for i, node in enumerate(output_nodes):
             node.register_prehook(_RootHook(self, g.token, i, sentinel))
 
     def _reached(self, token, index):
-        g = self._sealed.get(token)
-        if g is None:
-            return
-        g.reached.add(index)
-        if len(g.reached) == g.roots:
-            del self._sealed[token]
+        """A backward executes an output node of graph `token`: the graph ends when that pass completes, the
+        first pass to reach any of its outputs ([Note: one backward per graph])."""
+        g = self._sealed.pop(token, None)
+        if g is not None:
             self._dead_here.discard(token)
             self.on_pass_end(token)
+            self._ending[token] = g
+        else:
+            g = self._ending.get(token)
+        if g is not None:
+            g.reached.append(index)
+
+    def _ended(self, token):
+        """The pass that reached graph `token` completed: outputs it did not reach refuse a later backward."""
+        g = self._ending.pop(token)
+        sentinel = g.sentinel()
+        if sentinel is not None:
+            sentinel.reached = sorted(set(g.reached))
 
     # -- tokens of one backward pass -------------------------------------------------------------
     def on_pass_end(self, token) -> None:
@@ -155,7 +190,11 @@ class BackwardClaims:
         tokens.append(token)
 
     def _end_pass(self, task):
-        self._drop(self._passes.pop(task, ()))
+        tokens = self._passes.pop(task, ())
+        for t in tokens:
+            if t in self._ending:
+                self._ended(t)
+        self._drop(tokens)
 
     def drop(self, token) -> None:
         self._drop([token])
@@ -166,7 +205,7 @@ class BackwardClaims:
 
     # -- between forwards --------------------------------------------------------------------------
     def collect(self) -> None:
-        """Drops the graphs whose outputs were freed without a backward through all of them, on every
+        """Drops the graphs whose outputs were freed without a backward through any of them, on every
         rank: a vote while any graph is sealed ([Note: one schedule on every rank] in schedule.py)."""
         dead, here, sealed = self._dead, self._dead_here, self._sealed
         while dead:
@@ -192,6 +231,7 @@ class BackwardClaims:
         if not in_backward() and self._passes:
             tokens = [t for ts in self._passes.values() for t in ts]
             self._passes.clear()
+            self._ending.clear()
             self._drop(tokens)
         if not in_backward():  # (a recomputation inside a backward decides nothing)
             self.collect()
@@ -201,6 +241,7 @@ class BackwardClaims:
         self.open = None
         self._sealed.clear()
         self._passes.clear()
+        self._ending.clear()
         self._dead.clear()
         self._dead_here.clear()
 
