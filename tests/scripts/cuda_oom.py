@@ -5,10 +5,17 @@ so that the next 64 MiB allocation fails: a forward gather, a backward re-fill (
 gradient (hold on). After each: torch.OutOfMemoryError from the expected phase, the cap lifted, and the
 next step with a smaller batch trains; nothing stays gathered or claimed, the failed pass's gradients
 are gone, and the memory in use after that step is what it was after the step before the fault."""
+import os
 import sys
 from pathlib import Path
 
-import torch
+# The cap below is set just above what the allocator reserves, after empty_cache. A segment holding one live
+# block cannot be returned, and its free part would serve the gather under the cap (z3ext frees DeepSpeed's
+# 1.9 GB reduce bucket (its ipg buffer) at initialize, and Adam's states then land in that segment): expandable segments
+# return the free pages of a segment too, so what is reserved is what is in use.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import simworld  # noqa: E402
