@@ -21,8 +21,17 @@ ranks' all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on 
   kind of forward, such as a submodule called on its own, which adopts its own plan as before).
 - A skipped module is released as its own forward's end would decide on a rank that ran it: held for backward
   within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward walk] in window.py), so
-  that budgets, holds and backward gathers stay the same on every rank; a unit without trainable parameters is
-  taken as one whose outputs need no gradient (a frozen tower on pixels).
+  that budgets, holds and backward gathers stay the same on every rank ([Note: outputs that need a gradient]).
+[Note: outputs that need a gradient] A module's call needs its backward when an output needs a gradient: its
+unit is trainable, or its input needs one. The second differs by rank where ranks skip different modules (a
+LoRA layer's frozen base, fed by an earlier adapter that one rank dropped), and a skipping rank cannot see it.
+So in a forward recorded together or walked, a call (run or skipped) is taken as needing its backward where
+its outputs need a gradient or where its module comes at or after the plan's first trainable unit
+(`ForwardPlan.follows`): the plan is the same on every rank, and a gradient can reach a module's input only
+from a trainable unit before it (or from the forward's inputs). Frozen units before the first trainable one
+(an embedding, a frozen tower on pixels) need none on every rank; a frozen unit after it whose input needs no
+gradient on this rank is held or walked for nothing (a LoRA model's first frozen projections, beside the
+first adapter): memory or a gather, never a schedule that differs.
 The gradients need nothing more ([Note: fixed gradient layout], [Note: presence agreed] in grads.py). Not covered:
 a module off the plan on some ranks only (never run while recording, and no sibling to copy), which the ranks'
 collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) and no_grad forwards
@@ -109,6 +118,9 @@ class Z3extCoordinator:
         self._recording_together = False
         self._walking = False
         self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
+        self._skipping = []  # (module, unit, ids of its modules): skipped, released once its descendants are
+        self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
+        self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
         self._param_by_ds_id = None
 
     def _resident_from_memory(self):
@@ -175,6 +187,7 @@ class Z3extCoordinator:
                 # a gradient had come ([Note: one-rank faults] in schedule.py)
                 self.state.engine.note_fault()
             self.backward_window.reset()
+            self._walk_marks.clear()
             if self.state.grad_reducer:
                 self.state.grad_reducer.abandon_pass()  # [Note: failed pass] in grads.py
         self.window.reset()
@@ -329,6 +342,7 @@ class Z3extCoordinator:
             rows = agreement.all_gather([ds_id], kind=11)
             served = min(r[0] for r in rows)
             if served == ds_id or served == _END:
+                self._end_skipped()
                 return
             plan.diverged_recording = True
             if self._by_ds_id is None:
@@ -344,19 +358,34 @@ class Z3extCoordinator:
         while plan.cursor < stop:
             module = plan.order[plan.cursor]
             self._skipped(module, plan.observe(module))
+        self._end_skipped()
 
     def _skipped(self, module, pos):
         """`module` is gathered for a forward this rank does not run (`pos`: the plan position after it), then
         released, or held for backward, or recorded for backward's walk, as its forward's end would decide on
-        a rank that ran it, so that every rank's budgets, holds and backward gathers stay the same."""
-        engine = self.state.engine
+        a rank that ran it, so that every rank's budgets, holds and backward gathers stay the same. A module's
+        forward ends after those of the modules it calls: a skipped module's release waits for its descendants
+        skipped after it (`_end_skipped`), as the backward walk's order follows the forwards' ends."""
+        self._end_skipped(module)
         unit = self.state.unit_for(module, checked=False)
         if not len(unit):
             return
-        engine.unshard(unit, self._fwd, module.ds_id)
+        self.state.engine.unshard(unit, self._fwd, module.ds_id)
         if pos is not None and self.window.enabled:
             self._prefetch(pos)
-        if not self._trainable(unit):  # its outputs would need no gradient: nothing held or claimed
+        self._skipping.append((module, unit, {id(m) for m in module.modules() if m is not module}))
+
+    def _end_skipped(self, within=None):
+        """Releases the skipped modules waiting for their descendants, innermost first, down to an ancestor of
+        `within` (all of them without one)."""
+        skipping = self._skipping
+        while skipping and (within is None or id(within) not in skipping[-1][2]):
+            module, unit, _ = skipping.pop()
+            self._release_skipped(module, unit)
+
+    def _release_skipped(self, module, unit):
+        engine = self.state.engine
+        if not self._follows_trainable(module):  # [Note: outputs that need a gradient]: nothing held or claimed
             engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
             return
         group = self.state.groups.get(id(module)) if self.state.groups else None
@@ -374,8 +403,16 @@ class Z3extCoordinator:
             by_id = self._param_by_ds_id = {p.ds_id: p for p in self.state.params}
         return any(by_id[h.ds_id].requires_grad for h in unit.handles if h.ds_id in by_id)
 
+    def _follows_trainable(self, module) -> bool:
+        """[Note: outputs that need a gradient] In a forward recorded together or walked."""
+        return self.plan.follows(module, self._trainable_module)
+
+    def _trainable_module(self, module) -> bool:
+        return self._trainable(self.state.unit_for(module, checked=False))
+
     def _held_as_if(self, module, unit):
         if len(unit) and not self._held(module, unit):
+            self._mark(module)
             self.backward_window.released(module)
 
     def _prefetch(self, pos):
@@ -423,8 +460,11 @@ class Z3extCoordinator:
             unit = state.unit_for(sub_module)  # checked: an external discovered in this forward joins
         phase = forward_phase()
         if len(unit):
-            if not grad_enabled or raised or not any(t.requires_grad for t in outputs):
-                # No output needs grad (or no grad, or it raised): its backward cannot run.
+            if not grad_enabled or raised or not (any(t.requires_grad for t in outputs) or (
+                    (self._walking or self._recording_together) and phase is Phase.FORWARD and
+                    self._follows_trainable(sub_module))):
+                # No output needs grad (or no grad, or it raised): its backward cannot run
+                # ([Note: outputs that need a gradient]: nor on another rank).
                 if self._noting and not grad_enabled and not raised:
                     self.resident.keep(id(sub_module), unit)  # [Note: generation residency]
                 state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
@@ -460,6 +500,7 @@ class Z3extCoordinator:
         the call takes a claim that gathers it again for its backward."""
         if not self._held(module, unit):
             claim_per_call(self, module, self.backward_claims.new_token(), args, outputs, gathered=False)
+            self._mark(module)
             self.backward_window.released(module)
 
     def _held(self, module, unit) -> bool:
@@ -470,10 +511,17 @@ class Z3extCoordinator:
         if not self._holds(g, key, unit.numel):
             return False
         self.state.engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
+        self._mark(module)
         if key not in g.held:
             g.held.add(key)
             g.held_numel += unit.numel
         return True
+
+    def _mark(self, module):
+        """[Note: reductions on the walk] in window.py: the positions released before `module`'s first hold or
+        release in this forward (the lowest of a module applied twice)."""
+        if self._walking or self._recording_together:
+            self._walk_marks.setdefault(id(module), len(self.backward_window.order))
 
     def _recomputed(self, module, unit, args, outputs):
         """A forward inside a backward pass (activation-checkpoint recomputation): the module stays
@@ -539,6 +587,28 @@ class Z3extCoordinator:
 
     def _walk_hook(self, grad_outputs):
         self.start_backward_walk()
+
+    def walk_above(self, params):
+        """Before a walked pass reduces the bucket of `params`: the walk passes the positions above their modules
+        ([Note: reductions on the walk] in window.py)."""
+        window = self.backward_window
+        if not window.walked:
+            return
+        owner = self._owner_of
+        if owner is None or owner[0] is not self.state.module:
+            owner = self._owner_of = (self.state.module, {p.ds_id: m for m in self.state.module.modules()
+                                                          for p in m.parameters(recurse=False) if hasattr(p, "ds_id")})
+        marks, stop = self._walk_marks, None
+        for p in params:
+            module = owner[1].get(p.ds_id)
+            if module is None:
+                continue
+            k = marks.get(id(module))
+            if k is not None and (stop is None or k < stop):
+                stop = k
+        if stop is not None and stop < window.walked:
+            self._walk(stop)
+            self._refill_backward()
 
     def _end_backward_walk(self):
         window = self.backward_window

@@ -385,6 +385,8 @@ class GradReducer:
             index = gpass.next
             gpass.next += 1
             if index not in deferred or finish:
+                if gpass.walked and not finish:
+                    self._walk_above(buckets[index])
                 gpass.reduced[index] = True
                 self._flush(buckets[index], gpass)
         if finish:
@@ -439,6 +441,13 @@ class GradReducer:
         self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(flags[:n]) if not f),
                         unreached, exact)
         return flags[n:]
+
+    def _walk_above(self, params):
+        """[Note: reductions on the walk] in window.py: the walk passes what lies above the bucket's modules first."""
+        state = self._state()
+        coordinator = state.coordinator if state is not None else None
+        if coordinator is not None:
+            coordinator.walk_above(params)
 
     def finish_walk(self):
         """The backward walk passed every position ([Note: presence agreed]): the pass's buckets left are reduced."""

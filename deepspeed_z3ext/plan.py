@@ -45,6 +45,7 @@ class ForwardPlan:
         self.observed_forward_len = None  # this forward's
         self.agreed = False       # recorded by the ranks together ([Note: forwards that differ by rank])
         self.diverged_recording = False  # ... and the ranks ran different modules then
+        self._scan = None  # [order, positions scanned, first position `follows` looks for, id -> last position]
 
     def start_forward(self):
         """An outermost forward starts: the previous one's order becomes the plan if it was the
@@ -59,6 +60,25 @@ class ForwardPlan:
         self.observed = []
         self.cursor = 0
         self.divergence = None
+        self._scan = None  # (what `follows` looks for may change between forwards: a parameter frozen)
+
+    def follows(self, module, first) -> bool:
+        """Whether `module`'s last position in the plan (while recording: in the order recorded so far) is at or
+        after the first position of a module for which `first(module)` holds. Scanned once per forward: while
+        recording the order only grows, and the scan goes on from where it stopped."""
+        order = self.observed if self.recording else self.order
+        scan = self._scan
+        if scan is None or scan[0] is not order:
+            scan = self._scan = [order, 0, None, {}]
+        _, done, found, last = scan
+        for i in range(done, len(order)):
+            m = order[i]
+            last[id(m)] = i
+            if found is None and first(m):
+                found = i
+        scan[1], scan[2] = len(order), found
+        p = last.get(id(module))
+        return found is not None and p is not None and p >= found
 
     def ahead(self, module) -> Optional[int]:
         """While replaying: the next position of `module` at or after the cursor, or None."""

@@ -121,6 +121,16 @@ class BackwardWindow:
     Positions no rank's backward needs (trainable parameters none of which any rank's backward reaches:
     a branch the loss never used) are agreed at the walk's start ([Note: presence agreed] in grads.py)
     and passed over, neither gathered ahead nor on the way.
+
+    [Note: reductions on the walk] A module held since its forward runs its backward without a fetch, and
+    the walk advances only at fetches: a rank that skipped a released module above a held one (LayerDrop on
+    that rank, the released module past a hold budget) would get the held module's gradients, and reduce
+    their bucket, before passing the skipped position, while a rank that ran it gathers it first. So before a
+    walked pass reduces a bucket, the walk passes every position above the bucket's modules: those released
+    after the bucket's lowest module in the forward (`Z3extCoordinator.walk_above`, from the marks the
+    forward left: how many positions preceded each hold). On a rank whose backward runs in reverse forward
+    order these are passed already; the others catch up, and every rank reduces the bucket after the same
+    gathers.
     A module fetched after its position was passed (a backward out of the recorded order) gathers its
     unit again on demand, as any module whose unit is not ahead. The gradient reduce-scatters share the
     gathers' group; where they go among these gathers is agreed too ([Note: presence agreed] in grads.py)."""
@@ -128,7 +138,7 @@ class BackwardWindow:
     def __init__(self, bucket_numel: int):
         self.bucket_numel = bucket_numel
         self.order = []      # modules released after their forward, in this forward's order
-        self._position = {}  # id(module) -> its last position in `order`
+        self._position = {}  # id(module) -> its positions in `order` (a module applied twice has two)
         self._ahead = {}     # position -> Ahead
         self.ahead_numel = 0
         self.frontier: Optional[int] = None  # the next position down to gather ahead (None: no backward yet)
@@ -154,11 +164,25 @@ class BackwardWindow:
 
     def released(self, module):
         """`module`'s forward call was released: its backward will fetch it."""
-        self._position[id(module)] = len(self.order)
+        ps = self._position.get(id(module))
+        if ps is None:
+            self._position[id(module)] = [len(self.order)]
+        else:
+            ps.append(len(self.order))
         self.order.append(module)
 
     def position(self, module) -> Optional[int]:
-        return self._position.get(id(module))
+        """The position a fetch of `module` for its backward reaches: the highest of its positions the walk has not
+        passed (the backward of a module applied twice runs its later call first), else its last."""
+        ps = self._position.get(id(module))
+        if ps is None:
+            return None
+        walked = self.walked
+        if walked is not None and len(ps) > 1:
+            for p in reversed(ps):
+                if p < walked:
+                    return p
+        return ps[-1]
 
     def start(self) -> bool:
         """A backward pass reaches this forward's modules: whether it is the first ([Note: backward walk])."""

@@ -160,10 +160,8 @@ def draw(seed) -> Program:
         # between different gathers (z3ext raises a named error).
         program = program._replace(unused=(unused[0], False))
     if sometimes is not None and sometimes[2] and not (checkpoint is not None and checkpoint[2]) and \
-            layers[_order(layers)[sometimes[0]]] != "lora" and random.Random(f"undeclared {seed}").random() < 0.5:
+            random.Random(f"undeclared {seed}").random() < 0.5:
         # Nothing declared: the ranks record the first forward together ([Note: forwards that differ by rank]).
-        # Not a LoRA layer: a rank that skips it cannot tell whether its frozen base's outputs would need a
-        # gradient (they do, from the layer's input), so its hold and backward gathers could differ.
         program = program._replace(undeclared=True)
     return program
 
