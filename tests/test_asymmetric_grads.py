@@ -193,9 +193,8 @@ def outputs_by_rank(steps=3):
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    import deepspeed
     import deepspeed_z3ext
-    from tests.models import full_params
+    from tests.models import build_engine, ds_config, full_params
 
     class TwoOutputs(nn.Module):
         def __init__(self):
@@ -212,13 +211,7 @@ def outputs_by_rank(steps=3):
     rank, out = dist.get_rank(), {}
     mine, other = ("a", "b") if rank % 2 == 0 else ("b", "a")
     for name in ("reference", "z3ext"):
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "z3ext": name == "z3ext",
-               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-        torch.manual_seed(7)
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = TwoOutputs()
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1), model_fn=TwoOutputs, seed=7)
         losses, kept = [], None
         for i in range(steps):
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank))
