@@ -118,7 +118,8 @@ class Z3extCoordinator:
         self._recording_together = False
         self._walking = False
         self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
-        self._skipping = []  # (module, unit, ids of its modules): skipped, released once its descendants are
+        self._skipping = []  # (module, unit, ids of its descendants): skipped, released once its descendants are
+        self._descendants = {}  # id(module) -> ids of the modules below it, for `_skipping`
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
         self._param_by_ds_id = None
@@ -373,7 +374,10 @@ class Z3extCoordinator:
         self.state.engine.unshard(unit, self._fwd, module.ds_id)
         if pos is not None and self.window.enabled:
             self._prefetch(pos)
-        self._skipping.append((module, unit, {id(m) for m in module.modules() if m is not module}))
+        below = self._descendants.get(id(module))
+        if below is None:
+            below = self._descendants[id(module)] = frozenset(id(m) for m in module.modules() if m is not module)
+        self._skipping.append((module, unit, below))
 
     def _end_skipped(self, within=None):
         """Releases the skipped modules waiting for their descendants, innermost first, down to an ancestor of
@@ -412,8 +416,7 @@ class Z3extCoordinator:
 
     def _held_as_if(self, module, unit):
         if len(unit) and not self._held(module, unit):
-            self._mark(module)
-            self.backward_window.released(module)
+            self._released(module)
 
     def _prefetch(self, pos):
         """Gathers the next plan positions ahead of their modules ([Note: prefetch window])."""
@@ -500,8 +503,7 @@ class Z3extCoordinator:
         the call takes a claim that gathers it again for its backward."""
         if not self._held(module, unit):
             claim_per_call(self, module, self.backward_claims.new_token(), args, outputs, gathered=False)
-            self._mark(module)
-            self.backward_window.released(module)
+            self._released(module)
 
     def _held(self, module, unit) -> bool:
         """Whether the open graph holds `unit` of `module` for backward, within the budgets (taking the hold)."""
@@ -516,6 +518,11 @@ class Z3extCoordinator:
             g.held.add(key)
             g.held_numel += unit.numel
         return True
+
+    def _released(self, module):
+        """`module`'s call is gathered again for its backward: a position of the backward walk."""
+        self._mark(module)
+        self.backward_window.released(module)
 
     def _mark(self, module):
         """[Note: reductions on the walk] in window.py: the positions released before `module`'s first hold or

@@ -28,8 +28,9 @@ Claims taken inside a backward pass (a not-held module re-gathered for its backw
 through activation-checkpoint recomputation) are owned by per-call tokens registered with that
 pass: dropped by the module's own input hooks, and at the latest when the pass completes, or when
 the next outermost forward starts outside any backward (a pass that raised never completes).
-Early: never (a claim ends only after the graph or the call that owns it is done); late: a graph
-whose backward covers only part of its outputs keeps its claims until it is freed or the step.
+Early: never for the backward that ends a graph (a claim ends only after the graph or the call that owns it
+is done); a later backward through outputs it did not reach raises ([Note: one backward per graph]); late: a
+graph whose outputs no backward reaches keeps its claims until it is freed on every rank or the step.
 A backward with `retain_graph=True` followed by a second backward through the same held modules is
 not supported (the first pass ends the graph's claims).
 
