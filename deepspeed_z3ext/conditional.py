@@ -16,8 +16,9 @@ marked by hand (tests/test_conditional.py).
 A block is found structurally: a list or dict of at least two experts of one type and equal parameter
 shapes, and, within three levels above it and outside it, a router: a 2-D parameter of shape
 (experts, d) or (d, experts) where d is a dimension of the experts' parameters (`nn.Linear(d, experts)`, or a
-raw matrix either way round), and no embedding table (a position table of as many rows as a model has layers
-is no router). The smallest module holding both is the block (the root too: an MoE layer trained alone), never
+raw matrix either way round), of the module above or of a module at most two below that one and inside no
+list or dict of modules (a LoRA adapter of rank r in another stack of layers is no router of r layers), and no
+embedding table (a position table of as many rows as a model has layers is no router). The smallest module holding both is the block (the root too: an MoE layer trained alone), never
 a module inside a z3 leaf already. The guess is bounded ([Note: a bounded guess]).
 
 [Note: a bounded guess] The structure is a guess, and a wrong one (a plain stack of layers beside a raw
@@ -87,10 +88,22 @@ def _experts(container):
     return entries
 
 
+def _router_candidates(holder):
+    """The parameters that may be a router of experts below `holder`: its own and those of the modules at most
+    two below it outside any list or dict of modules. A router sits beside its experts (`gate`, `gate.wg`,
+    `router.classifier`), not inside a stack of layers: a LoRA adapter's (r, d) matrix in a decoder layer is no
+    router of the encoder's r layers."""
+    out, level = list(holder.parameters(recurse=False)), [holder]
+    for _ in range(2):
+        level = [c for m in level for c in m.children() if not isinstance(c, (nn.ModuleList, nn.ModuleDict))]
+        out.extend(p for c in level for p in c.parameters(recurse=False))
+    return out
+
+
 def _has_router(holder, container, n, dims) -> bool:
     inside = {id(p) for p in container.parameters()}
     inside.update(id(p) for m in holder.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
-    for p in holder.parameters():
+    for p in _router_candidates(holder):
         if id(p) in inside:
             continue
         shape = _shape(p)

@@ -170,6 +170,8 @@ class Z3extCoordinator:
         released, and Backward claims whose graph or pass is over ([Note: graph claims]); the module
         stack an exception inside a forward left dirty is cleaned, and the gradients of a backward that
         raised are dropped."""
+        if self.backward_window.walk_task is not None and not in_backward():
+            self._abandon_walk()  # before the raised pass's claims end
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
@@ -627,6 +629,16 @@ class Z3extCoordinator:
         if reducer is not None:
             reducer.finish_walk()
 
+    def _abandon_walk(self):
+        """[Note: a walk that raised] A backward pass that raised stops where the error left each rank, and where
+        the ranks ran different modules that is not the same walk position: a rank that ran a module fetched it
+        before the error, one that skipped it would have passed it later. So the next outermost forward first
+        passes what the raised walk did not reach, as its end would have, on every rank that walked it: the
+        same gathers in the same order everywhere, each released at once (the pass's claims end after)."""
+        if self.backward_window.walked:
+            self._walk(0)
+        self._drop_passed()
+
     def _walk(self, stop):
         """Passes the positions from the walk's down to `stop`, each as if its module were fetched there."""
         engine, window, claims_ = self.state.engine, self.backward_window, self.backward_claims
@@ -641,11 +653,11 @@ class Z3extCoordinator:
                 engine.unshard(unit, self._bwd, t)
                 claims_.on_pass_end(t)
                 window.passed.append((unit, t))
-            self._refill_backward(keep_last=True)
+            self._refill_backward()
 
-    def _refill_backward(self, keep_last=False):
-        """The window refilled after a position was reached, then the claims of positions passed above it
-        dropped ([Note: backward walk]); `keep_last`: the position just passed keeps its claim."""
+    def _refill_backward(self):
+        """The window refilled after a position was reached, then the claims of positions passed dropped
+        ([Note: backward walk])."""
         engine, window = self.state.engine, self.backward_window
         if window.enabled:
             batch = window.next_batch(self._unit_ahead, self._max_live - engine.live_numel)
@@ -655,18 +667,15 @@ class Z3extCoordinator:
                 self.backward_claims.on_pass_end(ahead_token)
                 window.commit(positions, units, ahead_token)
                 engine.unshard_batch(units, self._bwd, [ahead_token] * len(units), True)
-        self._drop_passed(keep_last)
+        self._drop_passed()
 
-    def _drop_passed(self, keep_last=False):
+    def _drop_passed(self):
         passed = self.backward_window.passed
-        if len(passed) > keep_last:
-            last = passed.pop() if keep_last else None
+        if passed:
             engine = self.state.engine
             for unit, t in passed:
                 engine.reshard(unit, self._bwd, t, also_direct=False)
             passed.clear()
-            if last is not None:
-                passed.append(last)
 
     def release_for_backward(self, module, token):
         """Its inputs' gradients are complete: its backward has run."""

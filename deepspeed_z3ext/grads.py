@@ -37,6 +37,10 @@ complete buckets as they fill, and the rest after the backward (DeepSpeed's epil
 outside any graph task; else the next forward or the step). A gradient that arrives for a parameter already
 reduced as unreachable raises `GradientError` naming it, never a silent zero. A z3 leaf module's hook notes
 the gradients it has; its experts without one are zeros of the layout (stock makes the same zeros itself).
+A leaf whose inputs need no gradient has its hook called with its outputs' gradients, before its own
+backward (torch's full backward hook): its parameters' gradients come after it and no hook notes them (stock
+reduces zeros for them and drops them, silently). Where the pass's end reduces a bucket, a parameter never
+noted but holding a gradient of its full size is reduced with that gradient.
   Order: ds_id descending at first (modules are usually built in forward order, so gradients come roughly in
 that order), and from the first optimizer step on the order in which the gradients came (each parameter at
 its earliest position on any rank, the ranks' positions exchanged once with one all-gather; never-seen ones
@@ -499,7 +503,9 @@ class GradReducer:
         zeros = {}
         for p in params:
             if p.ds_id not in arrived:
-                zeros[p.ds_id] = torch.zeros(p.ds_numel, dtype=p.dtype, device=p.ds_tensor.device)
+                grad = p.grad  # (a gradient no hook noted: [Note: fixed gradient layout], a leaf's inputs)
+                if grad is None or grad.numel() != p.ds_numel or not getattr(p, "ds_grad_is_ready", True):
+                    zeros[p.ds_id] = torch.zeros(p.ds_numel, dtype=p.dtype, device=p.ds_tensor.device)
         self._n_unreached += len(zeros)
         group = group_of(params[0])
         world = torch.distributed.get_world_size(group)

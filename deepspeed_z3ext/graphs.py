@@ -182,12 +182,14 @@ class BackwardClaims:
 
     # -- tokens of one backward pass -------------------------------------------------------------
     def on_pass_end(self, token) -> None:
-        """`token`'s claims end when the running backward pass completes."""
+        """`token`'s claims end when the running backward pass completes (outside a pass: at the next outermost
+        forward, `start_forward`)."""
         task = torch._C._current_graph_task_id()
         tokens = self._passes.get(task)
         if tokens is None:
             tokens = self._passes[task] = []
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(task))
+            if task >= 0:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(task))
         tokens.append(token)
 
     def _end_pass(self, task):

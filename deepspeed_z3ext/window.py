@@ -114,10 +114,14 @@ class BackwardWindow:
     a pass walks the whole order from the top down, the same on every rank: a module fetched for its
     backward first *passes* every position above it not passed yet, each as if its module had been
     fetched there (its unit claimed, gathered when not ahead, the window refilled), then takes its own.
-    A position passed without its module's fetch keeps its claim until the next position has been
-    reached and the window refilled, when a fetched module's own claim ends too (its inputs' gradient
-    hooks run after the hook that fetches the module before it), so live elements, and with them each
-    batch, are the same on every rank; the pass's end passes what is left down to the first position.
+    A position passed without its module's fetch drops its claim once the window is refilled after it,
+    as a fetched module's own claim ends after its backward, before the next position's fetch: the
+    claim ends in hooks on the module's input boundary nodes ([Note: input boundary] in hooks.py), whose
+    gradients come before those of the tensors they wrap, where the module before it is fetched. So live
+    elements, and with them each batch, are the same on every rank, and a module applied twice in a row
+    is gathered twice by a rank that ran it and by one that passed it alike; the pass's end passes what
+    is left down to the first position ([Note: a walk that raised] in coordinator.py: or the next
+    forward, after a pass that raised).
     Positions no rank's backward needs (trainable parameters none of which any rank's backward reaches:
     a branch the loss never used) are agreed at the walk's start ([Note: presence agreed] in grads.py)
     and passed over, neither gathered ahead nor on the way.
@@ -143,7 +147,7 @@ class BackwardWindow:
         self.ahead_numel = 0
         self.frontier: Optional[int] = None  # the next position down to gather ahead (None: no backward yet)
         self.walked: Optional[int] = None    # positions from here up are passed (None: no backward yet)
-        self.passed = []     # (unit, token) of positions passed without their module's fetch, claim still on
+        self.passed = []     # (unit, token) of positions passed, claim on until the window refills
         self.gathered_ahead = 0  # units gathered ahead since the engine was created
         self.walk_task = None    # the graph task of the pass walking the order
         self.skip = frozenset()  # positions no rank's backward needs, agreed at the walk's start

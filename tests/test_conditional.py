@@ -282,6 +282,71 @@ def test_detection_finds_expert_blocks_only():
     assert [(b.name, b.experts) for b in conditional.find(nn.Sequential(RouterDE()))] == [("0", 3)]
 
 
+def test_lora_adapters_as_many_rows_as_layers_are_no_router():
+    """PEFT's LoRA on a BART of 4 encoder and 4 decoder layers with rank 4: each adapter's (4, d) matrix, inside the
+    other stack's layers, looked like a router of the 4 layers, and the whole model became one z3 leaf, whose
+    backward hook ran before its parameters' gradients (its inputs need none): every step reduced zeros. A router
+    sits beside its experts, inside no list of modules ([Note: conditional blocks] in conditional.py)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BartConfig, BartForConditionalGeneration
+    from deepspeed_z3ext import conditional
+    config = BartConfig(vocab_size=64, d_model=16, encoder_layers=4, decoder_layers=4, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    model = get_peft_model(BartForConditionalGeneration(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert conditional.find(model) == []
+
+
+def leaf_after_frozen_layers():
+    """A z3 leaf marked by hand right after a frozen embedding: its full backward hook runs with its output's
+    gradient, before its parameters' gradients exist (stock ZeRO-3 releases the block there and its backward
+    fails on the partitioned weights; z3ext at d8922c6 reduced zeros for them: the block never trained). z3ext
+    reduces the gradients that came ([Note: fixed gradient layout] in grads.py): stock's numbers without the
+    leaf mark, DDP's here (every rank gets every gradient)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torch.distributed as dist
+    import deepspeed
+    import deepspeed_z3ext  # noqa: F401
+    from tests.models import Expert, full_params
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.block = Expert(HIDDEN)
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+        def forward(self, tokens):
+            logits = self.head(torch.tanh(self.block(self.embed(tokens))))
+            return F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
+
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        if name == "z3ext":
+            cfg["z3ext"] = {"enabled": True}
+        torch.manual_seed(5)
+        model = Net()
+        model.embed.weight.requires_grad_(False)
+        if name == "z3ext":
+            deepspeed.utils.set_z3_leaf_modules(model, [Expert])
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = train(engine, 3, forward=lambda e, i: e(_tokens(i, rank, False)))
+        out[name] = dict(losses=losses, params=full_params(engine))
+        engine.destroy()
+    ref, z3 = out["stock"], out["z3ext"]
+    return dict(losses=z3["losses"] == ref["losses"],
+                mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], z3["params"][n])])
+
+
+def test_a_leaf_whose_inputs_need_no_gradient_trains_on_its_gradients():
+    for rank, r in enumerate(run_on_ranks(leaf_after_frozen_layers, timeout=TIMEOUT)):
+        assert r["losses"] and not r["mismatched"], (rank, r)
+
+
 @pytest.mark.parametrize("layers", [2, 8, 16, 48])
 def test_a_plain_model_of_any_depth_is_never_one_unit(layers):
     """A stack of as many layers as a raw (layers, d) parameter has rows looks like experts beside a router

@@ -30,6 +30,12 @@ REGRESSIONS = {
     # The last layer, released past the hold budget, skipped on one rank: that rank reduced the held layers'
     # bucket before the walk passed the skipped layer ([Note: reductions on the walk] in window.py).
     "undeclared-top-skipped-held-below": Program(seed=1303, layers=('bmm', 'lora', 'lora', 'bmm'), tied=False, checkpoint=None, ga=1, steps=3, clip=0.0, bucket=40, hold=True, live=400, prefetch=200, persistence=0, mel=True, bf16=False, events=(Event(before_step=1, kind='freeze', arg=929), Event(before_step=1, kind='eval', arg=0), Event(before_step=1, kind='fail', arg=1)), moe=None, sometimes=(3, 3, True), undeclared=True, unused=None),
+    # A layer applied twice in a row, skipped whole on one rank: the rank that ran it released it between its two
+    # backwards and gathered it again, the rank that passed both positions kept it ([Note: backward walk]).
+    "undeclared-repeat-skipped": Program(seed=1659, layers=('bmm', 'bmm', 'addmm', 'repeat'), tied=False, checkpoint=None, ga=1, steps=2, clip=0.0, bucket=40, hold=True, live=400, prefetch=0, persistence=10, mel=True, bf16=False, events=(), moe=None, sometimes=(3, 2, True), undeclared=True, unused=(3, False)),
+    # A backward that raised below a layer one rank skipped: the rank that ran the layer had gathered it, the other
+    # would have passed it later ([Note: a walk that raised] in coordinator.py).
+    "undeclared-skipped-above-a-raise": Program(seed=1549, layers=('linear', 'lora', 'linear'), tied=False, checkpoint=None, ga=3, steps=4, clip=0.0, bucket=40, hold=True, live=100, prefetch=200, persistence=0, mel=True, bf16=False, events=(Event(before_step=1, kind='eval', arg=0), Event(before_step=3, kind='freeze', arg=265), Event(before_step=3, kind='dropped', arg=0), Event(before_step=3, kind='fail', arg=0)), moe=None, sometimes=(1, 2, True), undeclared=True, unused=(3, True)),
 }
 
 
