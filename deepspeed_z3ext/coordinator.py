@@ -41,6 +41,7 @@ import contextlib
 import functools
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 from deepspeed.utils import log_dist, logger
 
 from deepspeed_z3ext import claims, groups
@@ -336,23 +337,55 @@ class Z3extCoordinator:
             self._prefetch(pos)
 
     # -- [Note: forwards that differ by rank] ---------------------------------------------------------
-    def _record_together(self, ds_id):
-        """Before this rank's fetch of module `ds_id` (`_END`: this rank's forward is over) in a forward recorded
-        together: the ranks exchange what each fetches next; the smallest ds_id asked for is served (the ranks that
-        asked for another gather it as a skipped module) until this rank's own is."""
+    def _record_together(self, ds_id, param_id=-1):
+        """Before this rank's fetch of module `ds_id` (`_END`: this rank's forward is over; with `param_id`: its
+        discovery of that parameter as an external of the module) in a forward recorded together: the ranks
+        exchange what each does next; the smallest (ds_id, parameter) asked for is served (the ranks that asked
+        for another gather it as a skipped module, or as that module's new external) until this rank's own is."""
         agreement, plan = self.state.agreement, self.plan
+        mine = (ds_id, param_id)
         while True:
-            rows = agreement.all_gather([ds_id], kind=11)
-            served = min(r[0] for r in rows)
-            if served == ds_id or served == _END:
+            served = min(tuple(r) for r in agreement.all_gather(list(mine), kind=11))
+            if served == mine or served[0] == _END:
                 self._end_skipped()
                 return
             plan.diverged_recording = True
             if self._by_ds_id is None:
                 self._by_ds_id = {m.ds_id: m for m in self.state.module.modules() if hasattr(m, "ds_id")}
-            module = self._by_ds_id[served]
+            module = self._by_ds_id[served[0]]
+            if served[1] >= 0:
+                self._discovered_elsewhere(module, served[1])
+                continue
             plan.observe(module)
             self._skipped(module, None)
+
+    def discover_together(self, module, param) -> bool:
+        """[Note: discoveries recorded together] A parameter read in the forward of a module that does not own it
+        (PEFT's LoRA layer reads `lora_A.weight` before calling `lora_A`) is gathered at once ([Note: external
+        discovery] in external.py), outside any module's fetch: in a forward recorded together, a rank that skips the
+        module would not gather it. So the discovery goes through the exchange too, and the ranks that skip the
+        module make the parameter its external as well, gathered with it and released with it: the module's unit,
+        and with it every later gather, is the same on every rank. Whether it was gathered so."""
+        if not self._recording_together or forward_phase() is not Phase.FORWARD:
+            return False
+        self._record_together(module.ds_id, param.ds_id)
+        self.state.discover_external(module, param)
+        return True
+
+    def _discovered_elsewhere(self, module, ds_id):
+        """Another rank discovered parameter `ds_id` in `module`'s forward ([Note: discoveries recorded together]):
+        the modules skipped inside it are released first, as that rank's forwards of them have ended."""
+        skipping = self._skipping
+        while skipping and skipping[-1][0] is not module and id(module) not in skipping[-1][2]:
+            m, unit, _ = skipping.pop()
+            self._release_skipped(m, unit)
+        param = self._params_by_ds_id()[ds_id]
+        external = getattr(module, "_external_params", None)
+        if external is None or id(param) not in external:
+            register_external_parameter(module, param)
+        self.state.discover_external(module, param)
+        if skipping and skipping[-1][0] is module:  # released with the module's unit, the parameter in it now
+            skipping[-1] = (module, self.state.unit_for(module), skipping[-1][2])
 
     def _walk_forward(self, stop):
         """Plan positions from the cursor to `stop` that this rank's forward skips: each gathered (or passed in
@@ -403,10 +436,14 @@ class Z3extCoordinator:
             self._held_as_if(module, unit)
         engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
-    def _trainable(self, unit) -> bool:
+    def _params_by_ds_id(self):
         by_id = self._param_by_ds_id
         if by_id is None:
             by_id = self._param_by_ds_id = {p.ds_id: p for p in self.state.params}
+        return by_id
+
+    def _trainable(self, unit) -> bool:
+        by_id = self._params_by_ds_id()
         return any(by_id[h.ds_id].requires_grad for h in unit.handles if h.ds_id in by_id)
 
     def _follows_trainable(self, module) -> bool:

@@ -86,6 +86,9 @@ def discover(state, module, param):
         # the user since the unit was cached: it joins the unit at the module's release ([Note: tree epoch]).
         state.external_count_seen(module, len(external))
         return
+    coordinator = state.coordinator
+    if coordinator is not None and coordinator.discover_together(module, param):
+        return  # [Note: discoveries recorded together] in coordinator.py
     state.discover_external(module, param)
 
 

@@ -244,11 +244,12 @@ def test_outputs_read_by_some_ranks_train_to_ddps_numbers_and_a_later_backward_r
         assert r["second"] and unread in r["second"] and "one backward per graph" in r["second"], (rank, r["second"])
 
 
-def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None):
+def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lora=False):
     """A tiny BART built from its config (transformers' LayerDrop really skips a layer, also under ZeRO-3), each
     rank drawing its own layers, trained with the layers declared in `conditional_modules` (each layer gathered
     with its encoder or decoder on every rank: stock's numbers with a dummy pass) and with nothing declared. Per
-    system: losses and parameters, or the z3ext error."""
+    system: losses and parameters, or the z3ext error. `lora`: PEFT's LoRA on the attention's q and v projections
+    (rank 4, as many as the layers) and a trained copy of the LM head."""
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -268,6 +269,10 @@ def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None):
                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
         torch.manual_seed(0)
         model = BartForConditionalGeneration(config)  # partitioned by deepspeed.initialize
+        if lora:
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["lm_head"],
+                                                     target_modules=["q_proj", "v_proj"]))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         engine.train()
         losses = []
@@ -305,6 +310,15 @@ def test_layerdrop_without_a_declaration_trains_as_with_the_layers_declared(worl
     never reaches the encoder's output in backward: the forward's graph still ends with that pass, as on the
     other ranks ([Note: one backward per graph] in graphs.py)."""
     for rank, r in enumerate(run_on_ranks(bart_layerdrop, world_size=world, timeout=TIMEOUT * world // 2)):
+        u = r["undeclared"]
+        assert "error" not in u and u["losses"] and not u["mismatched"], (rank, r)
+
+
+def test_layerdrop_with_peft_lora_without_a_declaration_trains_as_with_the_layers_declared():
+    """PEFT's LoRA layer reads `lora_A.weight` before it calls `lora_A`: a parameter gathered outside any module's
+    fetch, which the recorded forward's exchange now carries too ([Note: discoveries recorded together] in
+    coordinator.py)."""
+    for rank, r in enumerate(run_on_ranks(bart_layerdrop, timeout=TIMEOUT, lora=True)):
         u = r["undeclared"]
         assert "error" not in u and u["losses"] and not u["mismatched"], (rank, r)
 
