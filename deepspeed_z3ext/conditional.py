@@ -18,8 +18,8 @@ shapes, and, within three levels above it and outside it, a router: a 2-D parame
 (experts, d) or (d, experts) where d is a dimension of the experts' parameters (`nn.Linear(d, experts)`, or a
 raw matrix either way round), of the module above or of a module at most two below that one and inside no
 list or dict of modules (a LoRA adapter of rank r in another stack of layers is no router of r layers), and no
-embedding table (a position table of as many rows as a model has layers is no router). The smallest module holding both is the block (the root too: an MoE layer trained alone), never
-a module inside a z3 leaf already. The guess is bounded ([Note: a bounded guess]).
+embedding table (a position table of as many rows as a model has layers is no router). The smallest module
+holding both is the block (the root too: an MoE layer trained alone), never a module inside a z3 leaf already. The guess is bounded ([Note: a bounded guess]).
 
 [Note: a bounded guess] The structure is a guess, and a wrong one (a plain stack of layers beside a raw
 parameter that looks like a router) would gather everything under the holder at once. So a block larger than

@@ -375,10 +375,8 @@ class Z3extCoordinator:
     def _discovered_elsewhere(self, module, ds_id):
         """Another rank discovered parameter `ds_id` in `module`'s forward ([Note: discoveries recorded together]):
         the modules skipped inside it are released first, as that rank's forwards of them have ended."""
+        self._end_skipped(module, keep=True)
         skipping = self._skipping
-        while skipping and skipping[-1][0] is not module and id(module) not in skipping[-1][2]:
-            m, unit, _ = skipping.pop()
-            self._release_skipped(m, unit)
         param = self._params_by_ds_id()[ds_id]
         external = getattr(module, "_external_params", None)
         if external is None or id(param) not in external:
@@ -414,11 +412,12 @@ class Z3extCoordinator:
             below = self._descendants[id(module)] = frozenset(id(m) for m in module.modules() if m is not module)
         self._skipping.append((module, unit, below))
 
-    def _end_skipped(self, within=None):
+    def _end_skipped(self, within=None, keep=False):
         """Releases the skipped modules waiting for their descendants, innermost first, down to an ancestor of
-        `within` (all of them without one)."""
+        `within` (all of them without one; `keep`: down to `within` itself too)."""
         skipping = self._skipping
-        while skipping and (within is None or id(within) not in skipping[-1][2]):
+        while skipping and (within is None or id(within) not in skipping[-1][2]) and not (
+                keep and skipping[-1][0] is within):
             module, unit, _ = skipping.pop()
             self._release_skipped(module, unit)
 
