@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 
 namespace z3ext {
 
@@ -21,6 +22,12 @@ struct InputBoundaryBackward : public torch::autograd::Node {
     return std::move(grads);
   }
   std::string name() const override { return "InputBoundaryBackward"; }
+  // Compiled autograd: nothing saved, the identity traced as is.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+  torch::autograd::variable_list apply_with_saved(const torch::autograd::variable_list& inputs,
+                                                  torch::dynamo::autograd::SwapSavedVariables& /*saved*/) override {
+    return apply(torch::autograd::variable_list(inputs));
+  }
 };
 
 inline at::Tensor input_boundary(const at::Tensor& x) {

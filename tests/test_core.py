@@ -551,3 +551,54 @@ def test_world_of_one_views_the_partitions():
     assert r["stock"] == r["z3ext"] and r["params_equal"], r
     assert r["views"] == r["n_params"] and r["live_bytes"] == 0 and r["collectives"] == 0, r
     assert r["written"], r
+
+
+# ------------------------------------------------------------------------------------- input boundary
+def test_input_boundary_node_sums_as_stocks_function_eager_and_compiled():
+    """[Note: input boundary] csrc/boundary.h's node against stock's (a Python Function whose forward is `detach()`,
+    parameter_offload.py): a tensor read inside a "module" twice (its gradients summed in the node first) and outside
+    twice gets the same bits; an undefined gradient reaches the input as zeros, as a Function's materialized one;
+    compiled autograd traces the node to the same bits."""
+    import torch
+    from deepspeed_z3ext._ops import ops
+
+    class StockBoundary(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class NoGrad(torch.autograd.Function):  # its backward gives no gradient
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    def grads(boundary, compiled=False, none=False):
+        torch.manual_seed(0)
+        x, w = torch.randn(5, 7, requires_grad=True), torch.randn(7, 7)
+        h = x * 1.7
+        y = boundary(h)
+        inside = (y @ w).tanh() * y.sigmoid() if not none else NoGrad.apply(y)
+        loss = (inside.sum() + (h * h).sum() + (h @ w).cos().sum())
+        if compiled:
+            with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+        else:
+            loss.backward()
+        return x.grad
+
+    node = ops().input_boundary
+    assert torch.equal(grads(node), grads(StockBoundary.apply))
+    assert torch.equal(grads(node, none=True), grads(StockBoundary.apply, none=True))
+    assert torch.equal(grads(node, compiled=True), grads(StockBoundary.apply))
+    x = torch.randn(3, requires_grad=True)
+    assert ops().input_boundary(x).grad_fn.name() == "InputBoundaryBackward"
+    with torch.no_grad():
+        assert ops().input_boundary(x).grad_fn is None
