@@ -120,21 +120,22 @@ class LiftedHooks:
             liftable = group.liftable = (self._version, self._liftable(group))
         boundary, out = self.member_boundary if grad_enabled else None, []
         for entry in liftable[1]:
-            m, pre, post, pres, posts, always = entry
-            if len(pres) != 1 or len(posts) != 1:
+            m, pre, post, pres, posts, always, attrs, forwards = entry
+            if len(pres) != 1 or len(posts) != 1 or pre not in pres or post not in posts:
                 continue  # another's hook beside z3ext's, or lifted for generation
-            pre_fn = pres.get(pre)
-            if pre_fn is None or post not in posts:
-                continue
-            del pres[pre]
-            post_fn = posts.pop(post)
+            pre_fn, post_fn = pres.pop(pre), posts.pop(post)
             del always[post]
             forward = None  # untouched
             if boundary is not None:
-                attrs = m.__dict__
                 forward = attrs.get("forward", _NONE)
-                attrs["forward"] = partial(boundary, m.forward)  # the input boundary, then its forward
-            params = m._parameters
+                if forward is _NONE:  # the class's forward: its call with the boundary made once per module
+                    cls_forward = type(m).forward
+                    if forwards[0] is not cls_forward:
+                        forwards[:] = cls_forward, partial(boundary, m.forward)
+                    attrs["forward"] = forwards[1]
+                else:
+                    attrs["forward"] = partial(boundary, forward)  # the input boundary, then its forward
+            params = attrs["_parameters"]
             out.append((entry, pre_fn, post_fn, forward, params if params and plain_lookups(params) else None))
         group.lifted = out
 
@@ -147,13 +148,13 @@ class LiftedHooks:
         """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
         lifted, group.lifted = group.lifted, ()
         hooks = self._hooks
-        for (m, pre, post, pres, posts, always), pre_fn, post_fn, forward, params in lifted:
+        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, params in lifted:
             if params is not None:
                 zero_lookups(params)
             if forward is _NONE:
-                m.__dict__.pop("forward", None)
+                attrs.pop("forward", None)
             elif forward is not None:
-                m.__dict__["forward"] = forward
+                attrs["forward"] = forward
             if id(m) not in hooks:
                 continue  # removed meanwhile (DeepSpeed re-registering or destroying hooks)
             if not pres:
@@ -176,7 +177,7 @@ class LiftedHooks:
                 continue
             if id(m) in members or not any(p is not None for p in m._parameters.values()):
                 out.append((m, entry[1], entry[2], m._forward_pre_hooks, m._forward_hooks,
-                            m._forward_hooks_always_called))
+                            m._forward_hooks_always_called, m.__dict__, [None, None]))
         return tuple(out)
 
 
