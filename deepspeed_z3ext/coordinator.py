@@ -533,9 +533,7 @@ class Z3extCoordinator:
                 self.resident.end_forward()
 
     def _hold(self, module, unit, args, outputs):
-        if not self._held(module, unit):  # `_hold_or_claim`, inline: once per module and forward
-            claim_per_call(self, module, self.backward_claims.new_token(), args, outputs, gathered=False)
-            self._released(module)
+        self._hold_or_claim(module, unit, args, outputs)
         self.state.engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def _hold_or_claim(self, module, unit, args, outputs):

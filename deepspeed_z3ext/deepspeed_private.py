@@ -141,20 +141,3 @@ def plain_lookups(params) -> bool:
 def zero_lookups(params):
     if type(params) is _GatheredDict:
         params.__class__ = parameter_offload.ZeROOrderedDict
-
-
-def plain_lookups_all(dicts) -> list:
-    """`plain_lookups` of each of `dicts` (an open group's members: one call per group); those switched."""
-    zero, switched = parameter_offload.ZeROOrderedDict, []
-    for params in dicts:
-        if type(params) is zero:
-            params.__class__ = _GatheredDict
-            switched.append(params)
-    return switched
-
-
-def zero_lookups_all(dicts):
-    zero = parameter_offload.ZeROOrderedDict
-    for params in dicts:
-        if type(params) is _GatheredDict:
-            params.__class__ = zero

@@ -54,9 +54,6 @@ from deepspeed.utils import z3_leaf_module
 from deepspeed_z3ext import claims
 
 
-_graph_task_id = torch._C._current_graph_task_id
-
-
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
@@ -69,7 +66,7 @@ class Phase(enum.Enum):
 
 
 def forward_phase() -> Phase:
-    return Phase.RECOMPUTE if _graph_task_id() != -1 else Phase.FORWARD  # in_backward(), one call fewer per module
+    return Phase.RECOMPUTE if in_backward() else Phase.FORWARD
 
 
 class GraphState(enum.Enum):

@@ -49,7 +49,7 @@ class MemberClaims(enum.Enum):
 
 class FetchGroup:
     __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch",
-                 "liftable", "lifted", "lifted_dicts", "ds_ids")
+                 "liftable", "lifted", "ds_ids")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -64,7 +64,6 @@ class FetchGroup:
         self.epoch = -1                 # the tree epoch `unit` was checked at ([Note: tree epoch])
         self.liftable = None            # (version, the modules whose hooks an open forward may lift) (lifted.py)
         self.lifted = ()                # what the open forward lifted (lifted.py)
-        self.lifted_dicts = ()          # the members' parameter dicts it switched to plain lookups (lifted.py)
 
 
 def form(order: list, spans: Dict[int, list], root, max_numel: int, numel_of) -> Dict[int, FetchGroup]:

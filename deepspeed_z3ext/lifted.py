@@ -44,7 +44,7 @@ deleter (a parameter set meanwhile still moves the tree epoch); it is put back w
 from collections import OrderedDict
 from functools import partial
 
-from deepspeed_z3ext.deepspeed_private import plain_lookups, plain_lookups_all, zero_lookups, zero_lookups_all
+from deepspeed_z3ext.deepspeed_private import plain_lookups, zero_lookups
 
 _NONE = object()  # a module without a `forward` of its own (lift_members)
 
@@ -118,7 +118,7 @@ class LiftedHooks:
         liftable = group.liftable
         if liftable is None or liftable[0] != self._version:
             liftable = group.liftable = (self._version, self._liftable(group))
-        boundary, out, dicts = self.member_boundary if grad_enabled else None, [], []
+        boundary, out = self.member_boundary if grad_enabled else None, []
         for entry in liftable[1]:
             m, pre, post, pres, posts, always, attrs, forwards = entry
             if len(pres) != 1 or len(posts) != 1 or pre not in pres or post not in posts:
@@ -136,11 +136,8 @@ class LiftedHooks:
                 else:
                     attrs["forward"] = partial(boundary, forward)  # the input boundary, then its forward
             params = attrs["_parameters"]
-            if params:
-                dicts.append(params)
-            out.append((entry, pre_fn, post_fn, forward))
+            out.append((entry, pre_fn, post_fn, forward, params if params and plain_lookups(params) else None))
         group.lifted = out
-        group.lifted_dicts = plain_lookups_all(dicts)
 
     @staticmethod
     def modules(group):
@@ -150,10 +147,10 @@ class LiftedHooks:
     def restore_members(self, group):
         """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
         lifted, group.lifted = group.lifted, ()
-        zero_lookups_all(group.lifted_dicts)
-        group.lifted_dicts = ()
         hooks = self._hooks
-        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward in lifted:
+        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, params in lifted:
+            if params is not None:
+                zero_lookups(params)
             if forward is _NONE:
                 attrs.pop("forward", None)
             elif forward is not None:
