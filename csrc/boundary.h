@@ -9,6 +9,9 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
+#include <memory>
+#include <type_traits>
+
 namespace z3ext {
 
 // A plain Node rather than a torch::autograd::Function: the Function's apply (its context, the checks of
@@ -30,10 +33,21 @@ struct InputBoundaryBackward : public torch::autograd::Node {
   }
 };
 
+// A new node of type N held as torch's autograd holds nodes: by `c10::intrusive_ptr` where `Node` is an
+// intrusive_ptr_target (torch 2.13), else by `std::shared_ptr` with torch's iterative deleter (torch 2.11).
+template <class N>
+auto make_node() {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>) {
+    return c10::make_intrusive<N>();
+  } else {
+    return std::shared_ptr<N>(new N(), [](N* node) { deleteNode(node); });  // torch::autograd's, by argument lookup
+  }
+}
+
 inline at::Tensor input_boundary(const at::Tensor& x) {
   at::Tensor out = x.detach();
   if (!torch::autograd::GradMode::is_enabled() || !x.requires_grad()) return out;
-  auto node = c10::make_intrusive<InputBoundaryBackward>();
+  auto node = make_node<InputBoundaryBackward>();
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::set_history(out, node);
   return out;
