@@ -562,30 +562,24 @@ def test_input_boundary_node_sums_as_stocks_function_eager_and_compiled():
     import torch
     from deepspeed_z3ext._ops import ops
 
-    class StockBoundary(torch.autograd.Function):
+    class Through(torch.autograd.Function):  # stock's boundary; `none`: a node whose backward gives no gradient
         @staticmethod
-        def forward(ctx, x):
-            return x.detach()
+        def forward(ctx, x, none=False):
+            ctx.none = none
+            return x.clone() if none else x.detach()
 
         @staticmethod
         def backward(ctx, g):
-            return g
+            return None if ctx.none else g, None
 
-    class NoGrad(torch.autograd.Function):  # its backward gives no gradient
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return None
+    stock = Through.apply
 
     def grads(boundary, compiled=False, none=False):
         torch.manual_seed(0)
         x, w = torch.randn(5, 7, requires_grad=True), torch.randn(7, 7)
         h = x * 1.7
         y = boundary(h)
-        inside = (y @ w).tanh() * y.sigmoid() if not none else NoGrad.apply(y)
+        inside = (y @ w).tanh() * y.sigmoid() if not none else Through.apply(y, True)
         loss = (inside.sum() + (h * h).sum() + (h @ w).cos().sum())
         if compiled:
             with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
@@ -595,9 +589,9 @@ def test_input_boundary_node_sums_as_stocks_function_eager_and_compiled():
         return x.grad
 
     node = ops().input_boundary
-    assert torch.equal(grads(node), grads(StockBoundary.apply))
-    assert torch.equal(grads(node, none=True), grads(StockBoundary.apply, none=True))
-    assert torch.equal(grads(node, compiled=True), grads(StockBoundary.apply))
+    assert torch.equal(grads(node), grads(stock))
+    assert torch.equal(grads(node, none=True), grads(stock, none=True))
+    assert torch.equal(grads(node, compiled=True), grads(stock))
     x = torch.randn(3, requires_grad=True)
     assert ops().input_boundary(x).grad_fn.name() == "InputBoundaryBackward"
     with torch.no_grad():
