@@ -116,10 +116,10 @@ class Z3extConfig(BaseModel):
     all-gather per collective. No effect on NCCL."""
 
     agree_forwards: StrictBool = True
-    """Several ranks record a training forward's module order together (one tiny exchange per module fetch in
-    that first forward), and each later training forward gathers the positions it skips as if it ran them, so
-    that ranks running different modules (LayerDrop drawn per rank, a tower on some ranks' batches) still issue
-    the same collectives ([Note: forwards that differ by rank] in coordinator.py). Off: a rank-divergent forward
+    """Several ranks record the first training forward's and the first no_grad forward's module order together
+    (one tiny exchange per module fetch in that forward), and each later forward of that grad mode gathers the
+    positions it skips as if it ran them, so that ranks running different modules (LayerDrop drawn per rank, a
+    tower on some ranks' batches, a head per rank in evaluation) still issue the same collectives ([Note: forwards that differ by rank] in coordinator.py). Off: a rank-divergent forward
     raises `ScheduleMismatchError` naming each rank's module (gloo), or at the step's check (NCCL)."""
 
     hang_timeout: float = Field(60.0, ge=0)

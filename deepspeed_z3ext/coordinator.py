@@ -5,23 +5,26 @@ DeepSpeed's own module hooks (and the stage-3 optimizer) drive it unchanged. Eac
 parameters form one fetch unit, and in forward a repeated block's modules form one ([Note: fetch
 groups] in groups.py): one C++ call claims and gathers it, one call releases it.
 
-[Note: forwards that differ by rank] Ranks may run different modules in a training forward (LayerDrop drawn per
-rank, a vision tower on some ranks' batches, a head per task): each rank would gather what it runs, and the
-ranks' all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on by default):
-- The first training forward is recorded by the ranks together: before each fetch the ranks exchange the ds_id
-  of the module each fetches next (a rank whose forward is over asks for none); the smallest is served, and a rank
+[Note: forwards that differ by rank] Ranks may run different modules in a forward (LayerDrop drawn per rank, a
+vision tower on some ranks' batches, a head per task): each rank would gather what it runs, and the ranks'
+all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on by default):
+- The first forward of each grad mode (training; no_grad: evaluation, a reference's logits, generation) is
+  recorded by the ranks together: before each fetch the ranks exchange the ds_id of the module each fetches next
+  (a rank whose forward is over asks for none); the smallest is served, and a rank
   that asked for another gathers the served module as one it skips, until its own is served. Every rank so
   records the same plan, the union of what ran, in one order ([Note: forward plan] in plan.py); one tiny exchange
   per module, in that forward only. Where the ranks ran different modules, no fetch groups are formed (they are
   formed from what each rank ran), and the members of a list of like modules that no rank ran are put in the plan
   by analogy with one that ran (`plan.fill_siblings`: LayerDrop may drop a layer everywhere in that forward).
-- Every later training forward walks the plan: a module fetched past the cursor first passes the positions it
-  skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
+- Every later forward of that grad mode walks its plan: a module fetched past the cursor first passes the positions
+  it skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
   end passes what is left of the forward's positions, unless the forward left the plan (a module off it: another
   kind of forward, such as a submodule called on its own, which adopts its own plan as before).
 - A skipped module is released as its own forward's end would decide on a rank that ran it: held for backward
   within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward walk] in window.py), so
-  that budgets, holds and backward gathers stay the same on every rank ([Note: outputs that need a gradient]).
+  that budgets, holds and backward gathers stay the same on every rank ([Note: outputs that need a gradient]); in
+  a no_grad forward released, or kept resident in a generation step ([Note: generation residency] in
+  resident_set.py), so that every rank keeps the same units.
 [Note: outputs that need a gradient] A module's call needs its backward when an output needs a gradient: its
 unit is trainable, or its input needs one. The second differs by rank where ranks skip different modules (a
 LoRA layer's frozen base, fed by an earlier adapter that one rank dropped), and a skipping rank cannot see it.
@@ -34,8 +37,7 @@ gradient on this rank is held or walked for nothing (a LoRA model's first frozen
 first adapter): memory or a gather, never a schedule that differs.
 The gradients need nothing more ([Note: fixed gradient layout], [Note: presence agreed] in grads.py). Not covered:
 a module off the plan on some ranks only (never run while recording, and no sibling to copy), which the ranks'
-collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) and no_grad forwards
-are not walked.
+collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) are not walked.
 """
 import contextlib
 import functools
@@ -202,8 +204,7 @@ class Z3extCoordinator:
         if self.plan.order is not recorded:
             self._adopted(self.plan)
         self._forwards += 1
-        together = (torch.is_grad_enabled() and not in_backward() and self.state.agreement.world > 1
-                    and self.state.config.agree_forwards)
+        together = not in_backward() and self.state.agreement.world > 1 and self.state.config.agree_forwards
         self._recording_together = together and self.plan.recording
         self._walking = together and not self.plan.recording and self.plan.agreed
         if self._recording_together:
@@ -214,7 +215,10 @@ class Z3extCoordinator:
         sees a group's members as its owner."""
         state = self.state
         if plan.agreed and plan.diverged_recording:  # [Note: forwards that differ by rank]
-            plan.order = fill_siblings(plan.order, state.module)
+            if plan.forward_len is None:
+                plan.order = fill_siblings(plan.order, state.module)
+            else:
+                plan.order, plan.forward_len = fill_siblings(plan.order, state.module, plan.forward_len)
         if not self._groups_formed:
             self._groups_formed = True
             # Groups are formed from what each rank ran: not where the ranks ran different modules.
@@ -401,6 +405,8 @@ class Z3extCoordinator:
         forward ends after those of the modules it calls: a skipped module's release waits for its descendants
         skipped after it (`_end_skipped`), as the backward walk's order follows the forwards' ends."""
         self._end_skipped(module)
+        if self._noting:
+            self.resident.seen(module)
         unit = self.state.unit_for(module, checked=False)
         if not len(unit):
             return
@@ -423,7 +429,11 @@ class Z3extCoordinator:
 
     def _release_skipped(self, module, unit):
         engine = self.state.engine
-        if not self._follows_trainable(module):  # [Note: outputs that need a gradient]: nothing held or claimed
+        if not torch.is_grad_enabled() or not self._follows_trainable(module):
+            # No backward ([Note: outputs that need a gradient]): nothing held or claimed; in a generation step,
+            # resident as on a rank that ran it ([Note: generation residency])
+            if self._noting:
+                self.resident.keep(id(module), unit)
             engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
             return
         group = self.state.groups.get(id(module)) if self.state.groups else None

@@ -122,10 +122,12 @@ def _name(module):
     return f"{type(module).__name__}(ds_id {getattr(module, 'ds_id', '?')})"
 
 
-def fill_siblings(order, root):
+def fill_siblings(order, root, end=None):
     """`order` with the members of a list of like modules (an `nn.ModuleList` of layers) that no rank ran while
     it was recorded inserted where they belong, by analogy with a member that ran: LayerDrop may drop a layer on
-    every rank in the recorded forward and run it later ([Note: forwards that differ by rank] in coordinator.py)."""
+    every rank in the recorded forward and run it later ([Note: forwards that differ by rank] in coordinator.py).
+    With `end` (the outermost forward's positions, the rest recomputation): (the order, its new end), modules
+    inserted at or before the end counted in it."""
     import torch.nn as nn
     names = {id(m): n for n, m in root.named_modules()}
     by_name = {n: m for n, m in root.named_modules()}
@@ -161,5 +163,7 @@ def fill_siblings(order, root):
                 out.extend(inserts.get(i, ()))
                 if i < len(order):
                     out.append(order[i])
+            if end is not None:
+                end += sum(len(ms) for at, ms in inserts.items() if at <= end)
             order = out
-    return order
+    return order if end is None else (order, end)

@@ -244,12 +244,87 @@ def test_outputs_read_by_some_ranks_train_to_ddps_numbers_and_a_later_backward_r
         assert r["second"] and unread in r["second"] and "one backward per graph" in r["second"], (rank, r["second"])
 
 
-def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lora=False):
+def no_grad_forwards_by_rank(steps=4, world=2, resident_block=True):
+    """Training forwards that every rank runs alike, each followed by no_grad forwards in which each rank runs its own
+    modules: a head per rank (two modules, not a list) and a body layer skipped per rank (in the first no_grad
+    forward the same layer on every rank: a member of a list no rank ran while recording), then the same inside a
+    `deepspeed_z3ext.resident` block (a generation step's residency). The reference: stock ZeRO-3 running every
+    module on every rank, a skipped layer's output times 0.0 and the rank's own head picked (the same bits as not
+    running them). The outputs of every forward and the parameters must be equal."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import deepspeed_z3ext
+    from tests.models import build_engine, ds_config, full_params
+
+    class Tasks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.body = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+            self.head_a = nn.Linear(HIDDEN, VOCAB)
+            self.head_b = nn.Linear(HIDDEN, VOCAB)
+            self.task, self.skip, self.run_all = "a", (), False
+
+        def forward(self, tokens):
+            h = self.embed(tokens)
+            for i, layer in enumerate(self.body):
+                if i in self.skip and not self.run_all:
+                    continue
+                h = h + torch.tanh(layer(h)) * (0.0 if i in self.skip else 1.0)
+            if self.run_all:
+                heads = {"a": self.head_a(h), "b": self.head_b(h)}
+                return heads[self.task].float().pow(2).mean()
+            return getattr(self, "head_" + self.task)(h).float().pow(2).mean()
+
+    rank, out = dist.get_rank(), {}
+    for name in ("reference", "z3ext"):
+        engine = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1), model_fn=Tasks, seed=7)
+        model, values = engine.module, []
+        model.run_all = name == "reference"
+
+        def no_grad_forward(i, tokens):
+            model.task = "ab"[rank % 2] if i == 0 else "ab"[(i + rank) % 2]
+            model.skip = (1, ) if i == 0 else ((i + rank) % 3, )
+            with torch.no_grad():
+                values.append(engine(tokens).item())
+            model.task, model.skip = "a", ()
+
+        for i in range(steps):
+            tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank))
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            values.append(loss.item())
+            no_grad_forward(i, tokens)
+        with deepspeed_z3ext.resident(engine) if name == "z3ext" and resident_block else torch.no_grad():
+            for i in range(1, 4):
+                no_grad_forward(i, tokens)
+        out[name] = dict(values=values, params=full_params(engine))
+        if name == "z3ext":  # generation steps that needed no claim: every rank kept what any ran
+            out["fast"] = engine.optimizer.parameter_offload.param_coordinator.resident.forwards
+        engine.destroy()
+    ref = out["reference"]
+    return dict(values=out["z3ext"]["values"] == ref["values"], fast=out["fast"],
+                mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], out["z3ext"]["params"][n])])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_grad_forwards_that_run_different_modules_by_rank_give_stocks_values(world):
+    """No_grad forwards (evaluation, a reference's logits, generation) are recorded by the ranks together and walked
+    like training forwards ([Note: forwards that differ by rank] in coordinator.py): a rank gathers the modules
+    another runs. Before, the ranks' next all-gathers differed (`ScheduleMismatchError` naming each rank's head)."""
+    for rank, r in enumerate(run_on_ranks(no_grad_forwards_by_rank, world_size=world, timeout=TIMEOUT)):
+        assert r["values"] and not r["mismatched"] and r["fast"] == 2, (rank, r)
+
+
+def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lora=False, no_grad=False):
     """A tiny BART built from its config (transformers' LayerDrop really skips a layer, also under ZeRO-3), each
     rank drawing its own layers, trained with the layers declared in `conditional_modules` (each layer gathered
     with its encoder or decoder on every rank: stock's numbers with a dummy pass) and with nothing declared. Per
     system: losses and parameters, or the z3ext error. `lora`: PEFT's LoRA on the attention's q and v projections
-    (rank 4, as many as the layers) and a trained copy of the LM head."""
+    (rank 4, as many as the layers) and a trained copy of the LM head. `no_grad`: after each step a no_grad forward in
+    training mode (LayerDrop drawn per rank again), its loss among the losses."""
     import torch
     import torch.distributed as dist
     import deepspeed
@@ -285,6 +360,10 @@ def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lo
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
+                if no_grad:
+                    torch.manual_seed(5000 + 1000 * i + 7 * rank)
+                    with torch.no_grad():
+                        losses.append(engine(input_ids=ids, labels=ids).loss.item())
             out[name] = dict(losses=losses, params=full_params(engine))
         except deepspeed_z3ext.Z3extError as e:
             out[name] = dict(error=(type(e).__name__, str(e).splitlines()[0]))
@@ -310,6 +389,15 @@ def test_layerdrop_without_a_declaration_trains_as_with_the_layers_declared(worl
     never reaches the encoder's output in backward: the forward's graph still ends with that pass, as on the
     other ranks ([Note: one backward per graph] in graphs.py)."""
     for rank, r in enumerate(run_on_ranks(bart_layerdrop, world_size=world, timeout=TIMEOUT * world // 2)):
+        u = r["undeclared"]
+        assert "error" not in u and u["losses"] and not u["mismatched"], (rank, r)
+
+
+def test_layerdrop_in_no_grad_forwards_without_a_declaration_gives_the_layers_declared_losses():
+    """BART in training mode with a no_grad forward after each step (a reference's logits, a score): LayerDrop drops
+    other layers on each rank there too; the no_grad forwards are recorded together and walked as training forwards
+    are. Before, `ScheduleMismatchError` at the first no_grad forward whose ranks dropped different layers."""
+    for rank, r in enumerate(run_on_ranks(bart_layerdrop, timeout=TIMEOUT, no_grad=True)):
         u = r["undeclared"]
         assert "error" not in u and u["losses"] and not u["mismatched"], (rank, r)
 
