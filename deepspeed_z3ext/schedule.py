@@ -112,8 +112,25 @@ class Preagreement:
         raise ScheduleMismatchError(
             f"z3ext: the ranks' next collectives differ ({what}). A rank ran a forward, a backward or a call the "
             "others did not (or in another order); every rank must make the same calls ([Note: one schedule on every "
-            "rank] in deepspeed_z3ext/schedule.py). Raised before the collective on every rank: the engine's state "
-            "is not to be trusted after this")
+            "rank] in deepspeed_z3ext/schedule.py). " + _presence_hint(rows) + "Raised before the collective on "
+            "every rank: the engine's state is not to be trusted after this")
+
+
+def _presence_hint(rows) -> str:
+    """[Note: presence in a reentrant checkpoint] Inside a backward, one rank's gradient reduce-scatter met another's
+    all-gather: the ranks' gradients differ in presence where the backward's graph could not show it at the pass's
+    start (a reentrant checkpoint's segment is one opaque node until its own backward runs), and the backward
+    gathers modules again, so the reduction sits between different gathers on each rank ([Note: presence agreed]
+    in grads.py). Non-reentrant checkpointing keeps the segment's nodes in the graph: the same programs train
+    to DDP's numbers (tests/test_differential.py)."""
+    kinds = {row[0] for row in rows}
+    if not {1, 2} <= kinds or torch._C._current_graph_task_id() == -1:
+        return ""
+    return ("If every rank is in this backward: one reduces gradients where another gathers parameters, so the "
+            "ranks' gradients differ in presence where the backward's graph hides them, behind a reentrant activation "
+            "checkpoint (torch.utils.checkpoint with use_reentrant=True, DeepSpeed's activation checkpointing); with "
+            "use_reentrant=False (the default of HF's activation_checkpointing_enable) z3ext sees them ahead and "
+            "trains such programs to DDP's numbers. ")
 
 
 def describe(names, descriptor) -> str:

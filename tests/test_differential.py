@@ -70,3 +70,22 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert any(p.unused is not None and p.unused[1] for p in drawn)  # gradients present on some ranks only
     assert any(p.unused is not None and p.unused[1] and not p.hold for p in drawn)  # ... and gathered again in backward
     assert any(p.undeclared for p in drawn)  # a layer some ranks skip in forward, nothing declared
+
+
+# Per-rank gradient presence (a layer some ranks use) in a model with a reentrant-checkpointed segment, gathered
+# again in backward: the graph hides the segment's parameters at the pass's start, so the ranks cannot agree
+# ahead on which buckets wait for the pass's end ([Note: presence in a reentrant checkpoint] in schedule.py).
+REENTRANT_PRESENCE = Program(seed=1049, layers=('linear', 'addmm', 'conv', 'bmm', 'lora'), tied=False, checkpoint=(1, 2, True), ga=2, steps=3, clip=0.0, bucket=300, hold=True, live=None, prefetch=200, persistence=0, mel=False, bf16=False, events=(Event(before_step=1, kind='unfreeze', arg=957),), moe=None, sometimes=(3, 3, True), undeclared=False, unused=None)
+
+
+def test_presence_hidden_by_a_reentrant_checkpoint_names_the_checkpoint_and_non_reentrant_trains():
+    """Reentrant: `ScheduleMismatchError` on every rank, before the collective, naming the reentrant checkpoint and
+    the remedy; the same program with `use_reentrant=False`: stock's numbers (DDP's: stock is right here)."""
+    programs = {"reentrant": REENTRANT_PRESENCE,
+                "non-reentrant": REENTRANT_PRESENCE._replace(checkpoint=(1, 2, False))}
+    results = run_on_ranks(_compare_programs, programs=programs, timeout=300)
+    for rank, rows in enumerate(results):
+        outcome = {name: o for name, o, _ in rows}
+        assert outcome["non-reentrant"] is None, (rank, outcome["non-reentrant"])
+        raised = outcome["reentrant"] or ""
+        assert "ScheduleMismatchError" in raised and "use_reentrant=False" in raised, (rank, raised[-1500:])
