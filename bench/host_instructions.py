@@ -130,7 +130,10 @@ def _child_token(a):
 def _count(a, system, phase, shim, work) -> float:
     if shutil.which("valgrind") is None:
         raise SystemExit("bench/host_instructions.py needs valgrind (Debian: apt-get install valgrind)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+    # PYTHONHASHSEED: str hashes (and with them dict and set probing) are drawn per process otherwise, which moved a
+    # generated token's count by up to 0.5 % between runs of the same tree
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               PYTHONHASHSEED="0")
     log = work / f"{system}-{phase}.log"
     cmd = ["valgrind", "--tool=callgrind", "--trace-children=no", "--instr-atstart=no", "--collect-atstart=no",
            f"--callgrind-out-file={work}/{system}-{phase}.%p", sys.executable, __file__, "--child", system,
