@@ -18,6 +18,14 @@ no reentrant phase ending: there DeepSpeed's three calls on its hook state reduc
 (deepspeed_private.routine_hook, count_routine_hook: the same attributes, the same values), about 2.5k of the
 17.8k host instructions a hook cost (bench/NOTES.md v35); the first hook of each backward or phase, and any
 other state, makes the calls.
+[Note: a leaf's gradients after its hook] A z3 leaf's full backward hook runs once the gradients of the leaf's
+outputs are in, which comes before its parameters' gradients where its inputs need none (its backward has
+nothing to give them, so autograd runs the hook first): a leaf at the model's root, or right after a frozen
+embedding. Its parameters' gradients then come after the hook and no hook notes them. The hook starts the pass
+all the same, and the pass's end reduces a gradient no hook noted as it is (grads.py `_flush`): without a
+noted gradient there was no pass, and a model that is one leaf (a mixture-of-experts block at the root) left
+every gradient on its parameter, reduced nothing and stepped on zeros (on the CPU, DeepSpeed's `zero_grad`
+failed on the gradients left behind).
 A z3 leaf module's hook (`reduce_leaf_module_grads`: a full backward hook that gives each of its parameters
 without a gradient, an expert no token reached, zeros and reduces them all) is replaced the same way: the same
 calls in the same order, the zeros made as stock makes them, the notes without stock's two delegating calls per
@@ -67,6 +75,8 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
                     param.grad = torch.zeros_like(param)
         if not optimizer._coalesce_grad_reduction:
             if reducer:  # a leaf's parameter without a gradient is reduced as zeros ([Note: fixed gradient layout])
+                if zero_missing:  # [Note: a leaf's gradients after its hook]
+                    reducer.start_pass(torch._C._current_graph_task_id())
                 for param in params:
                     if param.grad is not None:
                         reducer.note(param)

@@ -315,12 +315,9 @@ class GradReducer:
         """`reduce_independent_p_g_buckets_and_remove_grads`: `param`'s gradient is in; the buckets whose
         gradients are all in (or unreachable) are reduced, in the layout's order ([Note: fixed gradient layout])."""
         task = torch._C._current_graph_task_id()
-        if task != self._pass_task and task != -1:  # the first gradient of this pass ([Note: failed pass])
-            self._pass_task, self._pass_open = task, True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pass_done(task))
         gpass = self._pass
-        if gpass is None:
-            gpass = self._begin(task)
+        if gpass is None or (task != self._pass_task and task != -1):
+            gpass = self.start_pass(task)
         ds_id = param.ds_id
         if ds_id in gpass.arrived:
             # Noted already in this pass: a backward that raised part-way left it (its epilogue never ran) and a
@@ -352,6 +349,15 @@ class GradReducer:
         gpass.waiting[index] -= 1
         if not gpass.waiting[index] and index >= gpass.next and index not in gpass.deferred:
             self._advance(gpass)
+
+    def start_pass(self, task) -> GradPass:
+        """The backward pass of graph task `task` (-1: none) noted its first gradient, or a z3 leaf's hook ran before
+        any of its parameters' gradients ([Note: a leaf's gradients after its hook] in grad_hooks.py): its pass."""
+        if task != self._pass_task and task != -1:  # the first of this pass ([Note: failed pass])
+            self._pass_task, self._pass_open = task, True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._pass_done(task))
+        gpass = self._pass
+        return gpass if gpass is not None else self._begin(task)
 
     def _begin(self, task) -> GradPass:
         """The first gradient of a backward pass: the layout (re-made when the trainable parameters changed),

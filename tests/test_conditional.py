@@ -372,6 +372,124 @@ def test_a_plain_model_of_any_depth_is_never_one_unit(layers):
     assert conditional.find(embedded) == []
 
 
+def _router_de_moe(at_root):
+    """A mixture of one module per expert whose router is a raw (d, experts) parameter applied as `x @ router`
+    (research code's layout, not an nn.Linear's (experts, d)), top-1; `at_root`: the model itself is the block
+    (router, experts, embedding and head at its root), else the block sits in each of two layers."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from tests.models import Expert
+
+    def route(x, router, experts, reached, touched):
+        flat = x.reshape(-1, x.shape[-1])
+        weight, pick = torch.softmax(flat @ router, -1).max(-1)
+        out, hit = torch.zeros_like(flat), []
+        for e, expert in enumerate(experts):
+            rows = (pick == e).nonzero().flatten()
+            if rows.numel():
+                hit.append(e)
+                out = out.index_add(0, rows, weight[rows, None] * expert(flat[rows]))
+            elif touched is not None:  # stock's workaround: an expert no token reached runs, its output times 0.0
+                touched.append(0.0 * expert(flat).float().sum())
+        reached.append(tuple(hit))
+        return x + out.view_as(x)
+
+    def loss_of(model, x, tokens):
+        loss = F.cross_entropy(model.head(x).flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+        return loss + sum(model.touched) if model.touched else loss
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Parameter(torch.randn(HIDDEN, EXPERTS))
+            self.experts = nn.ModuleList(Expert(HIDDEN) for _ in range(EXPERTS))
+            self.reached, self.touched = [], None
+
+        def forward(self, x):
+            return route(x, self.router, self.experts, self.reached, self.touched)
+
+    class Layered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.layers = nn.ModuleList(nn.ModuleDict(dict(mix=nn.Linear(HIDDEN, HIDDEN), moe=Block()))
+                                        for _ in range(2))
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+            self.touched = None
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            if self.touched is not None:
+                self.touched.clear()
+            for layer in self.layers:
+                layer["moe"].touched = self.touched
+                x = layer["moe"](x + torch.tanh(layer["mix"](x)))
+            return loss_of(self, x, tokens)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.router = nn.Parameter(torch.randn(HIDDEN, EXPERTS))
+            self.experts = nn.ModuleList(Expert(HIDDEN) for _ in range(EXPERTS))
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+            self.reached, self.touched = [], None
+
+        def forward(self, tokens):
+            if self.touched is not None:
+                self.touched.clear()
+            x = route(self.embed(tokens), self.router, self.experts, self.reached, self.touched)
+            return loss_of(self, x, tokens)
+
+    return (Root if at_root else Layered)()
+
+
+def router_de_by_rank(at_root, steps=3):
+    """z3ext with nothing declared against stock with its workaround (every expert no token reached runs, its output
+    times 0.0 in the loss: each rank gathers every expert, zeros for the unreached ones: DDP's numbers with stock's
+    arithmetic), each rank's tokens its own."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+    import deepspeed_z3ext
+    from tests.models import full_params
+    rank, out = dist.get_rank(), {}
+    for name in ("stock", "z3ext"):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        if name == "z3ext":
+            cfg["z3ext"] = True
+        torch.manual_seed(5)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = _router_de_moe(at_root)
+        if name == "stock":
+            model.touched = []
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = train(engine, steps, forward=lambda e, i: e(_tokens(i, rank, False)))
+        out[name] = dict(losses=losses, params=full_params(engine),
+                         reached=[tuple(m.reached) for m in engine.module.modules() if hasattr(m, "reached")])
+        if name == "z3ext":
+            out["collectives"] = deepspeed_z3ext.stats(engine).collectives
+        engine.destroy()
+    ref, z3 = out["stock"], out["z3ext"]
+    return dict(losses=z3["losses"] == ref["losses"], reached=str(z3["reached"]), collectives=out["collectives"],
+                mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], z3["params"][n])])
+
+
+@pytest.mark.parametrize("where,world", [("in-layers", 2), ("at-root", 2), ("in-layers", 4), ("at-root", 4)])
+def test_per_expert_moe_with_a_d_by_e_router_trains_to_ddps_numbers(where, world):
+    """Two layouts a guess from the module tree could miss: a router stored (d, experts), and the block at the
+    model's root. Every rank issues the same collectives and steps on the workaround's numbers bitwise."""
+    results = run_on_ranks(router_de_by_rank, world_size=world, timeout=TIMEOUT * world // 2,
+                           at_root=where == "at-root")
+    for rank, r in enumerate(results):
+        assert r["losses"] and not r["mismatched"], (rank, r)
+    assert len({r["collectives"] for r in results}) == 1, [r["collectives"] for r in results]
+    assert len({r["reached"] for r in results}) > 1, "routing did not differ by rank: the test shows nothing"
+
+
 # -- a module some ranks skip ([Note: conditional modules]) ------------------------------------------
 def _multimodal():
     import torch
