@@ -295,10 +295,8 @@ def _model(program):
                                     if program.sometimes is not None else None)
 
         def layer(self, i, x):
-            # Undeclared, the layer runs in no_grad forwards (eval): those are not walked ([Note: forwards that
-            # differ by rank]), and ranks skipping different modules there raise a named error.
-            if program.sometimes is not None and self.order[i] == self.sometimes_layer and \
-                    (torch.is_grad_enabled() or not program.undeclared):
+            # Also in no_grad forwards (eval): undeclared, those are walked too ([Note: forwards that differ by rank])
+            if program.sometimes is not None and self.order[i] == self.sometimes_layer:
                 layer, period, per_rank = program.sometimes
                 if (self.micro + (self.rank if per_rank else 0)) % period != 0:
                     if self.dummy:  # stock's way: the layer runs and counts 0 times

@@ -97,6 +97,11 @@ def pooled(merged):
     return out
 
 
+def _z3ext(systems):
+    """z3ext's pooled result, or z3ext-mel's (DeepSpeed's default linear) where a run had only that one."""
+    return systems.get("z3ext", systems.get("z3ext-mel"))
+
+
 def targets(merged):
     """The performance issue's targets, from the pooled medians ([Note: alternated worlds])."""
     p = pooled(merged)
@@ -109,7 +114,7 @@ def targets(merged):
     checks, spread = [], []
     for (name, world) in sorted(p, key=lambda k: (k[0], k[1])):
         s = p[(name, world)]
-        z, f, u = s.get("z3ext"), s.get("fsdp2"), s.get("unsharded")
+        z, f, u = _z3ext(s), s.get("fsdp2"), s.get("unsharded")
         if z is None:
             continue
         zf = f"{z['step'] / f['step']:.2f}" if f else "-"
@@ -133,9 +138,9 @@ def targets(merged):
             if z["tiny"] and u["tiny"]:
                 checks.append((f"{name} w{world}: tiny no_grad forward <= 2x unsharded", z["tiny"] / u["tiny"], 2.0))
     for name in sorted({k[0] for k in p}):
-        worlds = sorted(w for (n, w) in p if n == name and "z3ext" in p[(n, w)])
+        worlds = sorted(w for (n, w) in p if n == name and _z3ext(p[(n, w)]))
         if len(worlds) >= 2:
-            lo, hi = p[(name, worlds[0])]["z3ext"], p[(name, worlds[-1])]["z3ext"]
+            lo, hi = _z3ext(p[(name, worlds[0])]), _z3ext(p[(name, worlds[-1])])
             checks.append((f"{name}: backward at world {worlds[-1]} <= 1.1x world {worlds[0]}", hi["bwd"] / lo["bwd"], 1.1))
     lines.append("")
     lines += spread
