@@ -91,6 +91,12 @@ def _engine(z3ext, ga, heads, bucket=None, hold=None):
     return engine
 
 
+def _mismatched(ref, other):
+    """The names of the parameters whose values are not bitwise equal."""
+    import torch
+    return [n for n in ref if not torch.equal(ref[n], other[n])]
+
+
 PATTERNS = {
     # rank -> heads of each micro-step i
     "a-or-b": lambda rank, i: ("a", ) if rank % 2 == 0 else ("b", ),
@@ -129,7 +135,7 @@ def heads_by_rank(pattern, ga, heads, bucket=None, systems=("reference", "z3ext"
     ref = out["reference"]
     return {name: dict(losses=r["losses"] == ref["losses"], unreached=r.get("unreached"),
                        regathered=r.get("regathered"),
-                       mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], r["params"][n])])
+                       mismatched=_mismatched(ref["params"], r["params"]))
             for name, r in out.items() if name != "reference"}
 
 
@@ -233,7 +239,7 @@ def outputs_by_rank(steps=3):
         engine.destroy()
     ref = out["reference"]
     return dict(losses=out["z3ext"]["losses"] == ref["losses"], second=out["second"],
-                mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], out["z3ext"]["params"][n])])
+                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -306,7 +312,7 @@ def no_grad_forwards_by_rank(steps=4, world=2, resident_block=True):
         engine.destroy()
     ref = out["reference"]
     return dict(values=out["z3ext"]["values"] == ref["values"], fast=out["fast"],
-                mismatched=[n for n in ref["params"] if not torch.equal(ref["params"][n], out["z3ext"]["params"][n])])
+                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -109,6 +109,16 @@ def _engine(z3ext, leaf, dtype="fp32", ga=1, options=None, deepspeed_moe=False, 
     return engine
 
 
+def _plain_config(z3ext):
+    """Stage 3, nothing persistent, AdamW, one micro-step per step; z3ext on or off."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if z3ext:
+        cfg["z3ext"] = {"enabled": True}
+    return cfg
+
+
 def _tokens(i, rank, same_on_every_rank):
     import torch
     g = torch.Generator().manual_seed(100 * i + (0 if same_on_every_rank else rank))
@@ -323,11 +333,7 @@ def leaf_after_frozen_layers():
 
     rank, out = dist.get_rank(), {}
     for name in ("stock", "z3ext"):
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-        if name == "z3ext":
-            cfg["z3ext"] = {"enabled": True}
+        cfg = _plain_config(name == "z3ext")
         torch.manual_seed(5)
         model = Net()
         model.embed.weight.requires_grad_(False)
@@ -456,11 +462,7 @@ def router_de_by_rank(at_root, steps=3):
     from tests.models import full_params
     rank, out = dist.get_rank(), {}
     for name in ("stock", "z3ext"):
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-               "optimizer": {"type": "AdamW", "params": {"lr": 3e-2, "torch_adam": True}},
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-        if name == "z3ext":
-            cfg["z3ext"] = True
+        cfg = _plain_config(name == "z3ext")
         torch.manual_seed(5)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = _router_de_moe(at_root)
