@@ -152,8 +152,8 @@ def fill_siblings(order, root, end=None):
             if runs[k]:
                 continue
             copy = [by_name.get(names[id(members[k])] + rest) for rest in template]
-            if any(m is None for m in copy):
-                continue
+            if any(m is None or not hasattr(m, "ds_id") for m in copy):
+                continue  # (a member without hooks of its own: a conditional module, gathered with its parent)
             before = next((runs[j][-1] + 1 for j in range(k - 1, -1, -1) if runs[j]), None)
             at = before if before is not None else next(runs[j][0] for j in range(k + 1, len(members)) if runs[j])
             inserts.setdefault(at, []).extend(copy)
