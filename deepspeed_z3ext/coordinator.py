@@ -215,10 +215,7 @@ class Z3extCoordinator:
         sees a group's members as its owner."""
         state = self.state
         if plan.agreed and plan.diverged_recording:  # [Note: forwards that differ by rank]
-            if plan.forward_len is None:
-                plan.order = fill_siblings(plan.order, state.module)
-            else:
-                plan.order, plan.forward_len = fill_siblings(plan.order, state.module, plan.forward_len)
+            plan.order, plan.forward_len = fill_siblings(plan.order, state.module, plan.forward_len)
         if not self._groups_formed:
             self._groups_formed = True
             # Groups are formed from what each rank ran: not where the ranks ran different modules.

@@ -126,8 +126,8 @@ def fill_siblings(order, root, end=None):
     """`order` with the members of a list of like modules (an `nn.ModuleList` of layers) that no rank ran while
     it was recorded inserted where they belong, by analogy with a member that ran: LayerDrop may drop a layer on
     every rank in the recorded forward and run it later ([Note: forwards that differ by rank] in coordinator.py).
-    With `end` (the outermost forward's positions, the rest recomputation): (the order, its new end), modules
-    inserted at or before the end counted in it."""
+    `end`: the outermost forward's positions (the rest recomputation; None: not known yet). Returns the order and
+    its new end, the modules inserted at or before the end counted in it."""
     import torch.nn as nn
     names = {id(m): n for n, m in root.named_modules()}
     by_name = {n: m for n, m in root.named_modules()}
@@ -166,4 +166,4 @@ def fill_siblings(order, root, end=None):
             if end is not None:
                 end += sum(len(ms) for at, ms in inserts.items() if at <= end)
             order = out
-    return order if end is None else (order, end)
+    return order, end
