@@ -52,14 +52,17 @@ def backward_hook_state(optimizer):
     return optimizer._backward_hook_state
 
 
-def routine_hook(hooks) -> bool:
-    """Whether a gradient hook firing now is a routine one ([Note: routine gradient hook] in grad_hooks.py): not
-    the first of its backward (phase), the post-backward callback queued. For such a hook the refresh predicate
-    is false, the re-entry does nothing and the update only counts it (`count_routine_hook`). 0.19.8's
-    `BackwardHookState` methods."""
-    return bool(hooks.hooks_fired_this_backward and hooks.post_backward_callback_queued
-                and not (hooks.remaining_grad_acc_hooks == 0 and hooks.backward_active_depth == 0
-                         and hooks.backward_seen_this_step))
+def routine_hook(optimizer):
+    """The optimizer's backward-hook state if a gradient hook firing now is a routine one ([Note: routine gradient
+    hook] in grad_hooks.py), else None: not the first of its backward (phase), the post-backward callback queued.
+    For such a hook the refresh predicate is false, the re-entry does nothing and the update only counts it
+    (`count_routine_hook`). 0.19.8's `BackwardHookState` methods."""
+    hooks = optimizer._backward_hook_state
+    if (hooks.hooks_fired_this_backward and hooks.post_backward_callback_queued
+            and not (hooks.remaining_grad_acc_hooks == 0 and hooks.backward_active_depth == 0
+                     and hooks.backward_seen_this_step)):
+        return hooks
+    return None
 
 
 def count_routine_hook(hooks):
@@ -127,6 +130,10 @@ class _GatheredDict(parameter_offload.ZeROOrderedDict):
     lifted.py): OrderedDict's lookup, DeepSpeed's setter and deleter (and z3ext's seams on them)."""
     __slots__ = ()
     __getitem__ = collections.OrderedDict.__getitem__
+
+
+# The two classes `plain_lookups` and `zero_lookups` swap, for a loop that swaps many without a call each (lifted.py).
+ZERO_DICT, GATHERED_DICT = parameter_offload.ZeROOrderedDict, _GatheredDict
 
 
 def plain_lookups(params) -> bool:

@@ -61,9 +61,9 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
     `zero_missing`: stock's zeros for those without a gradient)."""
 
     def hook(*_):
-        hooks = private.backward_hook_state(optimizer)
-        routine = private.routine_hook(hooks)  # [Note: routine gradient hook]
-        if not routine:
+        hooks = routine = private.routine_hook(optimizer)  # [Note: routine gradient hook]
+        if routine is None:
+            hooks = private.backward_hook_state(optimizer)
             refresh = hooks.should_refresh_expected_hook_count()  # before the re-entry, as stock evaluates it
             hooks.reenter_backward_if_needed()
         reducer = state.grad_reducer
@@ -83,7 +83,7 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
             else:
                 for param in params:
                     optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)
-        if routine:
+        if routine is not None:
             private.count_routine_hook(hooks)
             return
         if refresh:

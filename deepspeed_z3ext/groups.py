@@ -49,7 +49,7 @@ class MemberClaims(enum.Enum):
 
 class FetchGroup:
     __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch",
-                 "liftable", "lifted", "ds_ids")
+                 "liftable", "lifted", "lifted_dicts", "ds_ids")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -62,8 +62,9 @@ class FetchGroup:
         self.member_claims = MemberClaims.NONE
         self.dirty = False              # an external parameter joined inside the group
         self.epoch = -1                 # the tree epoch `unit` was checked at ([Note: tree epoch])
-        self.liftable = None            # (version, the modules whose hooks an open forward may lift) (lifted.py)
+        self.liftable = None            # (version, the modules whose hooks an open forward may lift, leaf dicts) (lifted.py)
         self.lifted = ()                # what the open forward lifted (lifted.py)
+        self.lifted_dicts = ()          # the z3 leaf members' descendants' parameter dicts it made plain (lifted.py)
 
 
 def form(order: list, spans: Dict[int, list], root, max_numel: int, numel_of) -> Dict[int, FetchGroup]:

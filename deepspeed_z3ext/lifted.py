@@ -39,12 +39,16 @@ generated token of a 16-layer Llama, 390 per forward of a 32-layer GPT. Where th
 module is gathered (a covered module of the resident fast path; a member of an open group, whose parameters are
 its group's own), so the getter has nothing to do: for the time, the dict's class is a subclass with
 OrderedDict's own lookup (deepspeed_private.plain_lookups), still a ZeROOrderedDict with DeepSpeed's setter and
-deleter (a parameter set meanwhile still moves the tree epoch); it is put back with the hooks.
+deleter (a parameter set meanwhile still moves the tree epoch); it is put back with the hooks. The same holds
+for the modules inside a z3 leaf member of an open group, which have no hooks to lift: the leaf's unit holds their
+parameters (an expert's weights, read once per expert call: 4 getter calls of Python per expert and block).
 """
 from collections import OrderedDict
 from functools import partial
 
-from deepspeed_z3ext.deepspeed_private import plain_lookups, zero_lookups
+from deepspeed.utils import z3_leaf_module
+
+from deepspeed_z3ext.deepspeed_private import GATHERED_DICT, ZERO_DICT, plain_lookups, zero_lookups
 
 _NONE = object()  # a module without a `forward` of its own (lift_members)
 
@@ -117,7 +121,7 @@ class LiftedHooks:
             return
         liftable = group.liftable
         if liftable is None or liftable[0] != self._version:
-            liftable = group.liftable = (self._version, self._liftable(group))
+            liftable = group.liftable = (self._version, self._liftable(group), _leaf_dicts(group))
         boundary, out = self.member_boundary if grad_enabled else None, []
         for entry in liftable[1]:
             m, pre, post, pres, posts, always, attrs, forwards = entry
@@ -136,8 +140,18 @@ class LiftedHooks:
                 else:
                     attrs["forward"] = partial(boundary, forward)  # the input boundary, then its forward
             params = attrs["_parameters"]
-            out.append((entry, pre_fn, post_fn, forward, params if params and plain_lookups(params) else None))
+            if params and type(params) is ZERO_DICT:  # plain_lookups, inline: once per member and forward
+                params.__class__ = GATHERED_DICT
+            else:
+                params = None
+            out.append((entry, pre_fn, post_fn, forward, params))
         group.lifted = out
+        dicts = []
+        for params in liftable[2]:  # [Note: lifted getters] of a z3 leaf member's descendants
+            if type(params) is ZERO_DICT:
+                params.__class__ = GATHERED_DICT
+                dicts.append(params)
+        group.lifted_dicts = dicts
 
     @staticmethod
     def modules(group):
@@ -147,10 +161,14 @@ class LiftedHooks:
     def restore_members(self, group):
         """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
         lifted, group.lifted = group.lifted, ()
+        for params in group.lifted_dicts:
+            if type(params) is GATHERED_DICT:
+                params.__class__ = ZERO_DICT
+        group.lifted_dicts = ()
         hooks = self._hooks
         for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, params in lifted:
-            if params is not None:
-                zero_lookups(params)
+            if params is not None and type(params) is GATHERED_DICT:  # zero_lookups, inline
+                params.__class__ = ZERO_DICT
             if forward is _NONE:
                 attrs.pop("forward", None)
             elif forward is not None:
@@ -179,6 +197,13 @@ class LiftedHooks:
                 out.append((m, entry[1], entry[2], m._forward_pre_hooks, m._forward_hooks,
                             m._forward_hooks_always_called, m.__dict__, [None, None]))
         return tuple(out)
+
+
+def _leaf_dicts(group):
+    """The `_parameters` of the descendants of the group's z3 leaf members, which have no hooks: their parameters are in
+    the leaf's unit, gathered while the group is open ([Note: lifted getters])."""
+    return tuple(d._parameters for m in group.members if z3_leaf_module(m) for d in m.modules()
+                 if d is not m and d._parameters)
 
 
 def _put_first(d, key, value):

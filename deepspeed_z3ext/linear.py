@@ -31,9 +31,12 @@ frames before its ops: DeepSpeed's `zero3_linear_wrap` (what `F.linear` is), the
 below) and, under no_grad, the Function's `forward`; the unsharded model makes one C call (a generated token of a
 16-layer Llama runs 113 linears). The seam's first step is now one C++ call (csrc/linear.h `linear_call`) that runs
 the forward's ops (no_grad) or the node (grad mode) where the two notes above would, the same bits, or declines to
-the rest of the seam (a subclass, a torch function mode, a stock engine's weight, autocast in grad mode); code
-Dynamo traces does not take it. `F.linear` stays DeepSpeed's own function (`F.linear is zero3_linear_wrap`, which
-DeepSpeed's tests check): replacing it too would save one more frame per linear.
+the rest of the seam (a subclass, a torch function mode, a stock engine's weight, autocast in grad mode). Code
+Dynamo traces never reaches the seam (Dynamo traces `Function.apply` as the Function's forward and backward); a
+make_fx-based trace (non-strict export) sets `torch.compiler`'s compiling flag, which the seam reads as a flag:
+`torch.compiler.is_compiling()` is two Python calls per linear. `F.linear` stays DeepSpeed's own function
+(`F.linear is zero3_linear_wrap`, which DeepSpeed's tests check): replacing it too would save one more frame per
+linear.
 """
 import inspect
 from types import SimpleNamespace
@@ -53,13 +56,14 @@ def stock_apply_seam(_stock):
     # after), bound below to whichever class calls: a subclass keeps its own `cls`.
     descriptor = inspect.getattr_static(owner, "apply")
     grad_enabled = torch.is_grad_enabled
-    compiling = torch.compiler.is_compiling
+    # `torch.compiler.is_compiling()` outside TorchScript, read as the flag it returns ([Note: linear in one call])
+    compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
     linear_call = None
 
     def apply(cls, *args, **kwargs):
         nonlocal linear_call
         if cls is owner and not kwargs and 2 <= len(args) <= 3:
-            if not compiling():
+            if not compiler._is_compiling_flag:
                 # [Note: grad-mode linear] and [Note: no_grad linear] for plain tensors without a torch function
                 # mode (a subclass's __torch_function__ would not see C++'s ops); the node declines autocast and
                 # wrapped tensors itself.
@@ -75,6 +79,14 @@ def stock_apply_seam(_stock):
         return descriptor.__get__(None, cls)(*args, **kwargs)
 
     return classmethod(apply)
+
+
+class _CompilingFlag:
+    """`torch.compiler._is_compiling_flag` where a torch version has no such flag."""
+
+    @property
+    def _is_compiling_flag(self):
+        return torch.compiler.is_compiling()
 
 
 def _load(ops):

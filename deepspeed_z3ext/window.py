@@ -31,13 +31,10 @@ class PrefetchWindow:
 
     def __init__(self, bucket_numel: int):
         self.bucket_numel = bucket_numel
+        self.enabled = bucket_numel > 0
         self._ahead = deque()  # (plan position, numel) gathered ahead, not yet reached
         self.ahead_numel = 0
         self.frontier = 0      # plan positions before this one are gathered or passed
-
-    @property
-    def enabled(self) -> bool:
-        return self.bucket_numel > 0
 
     def reset(self):
         """A new outermost forward: nothing is ahead."""
@@ -141,6 +138,7 @@ class BackwardWindow:
 
     def __init__(self, bucket_numel: int):
         self.bucket_numel = bucket_numel
+        self.enabled = bucket_numel > 0
         self.order = []      # modules released after their forward, in this forward's order
         self._position = {}  # id(module) -> its positions in `order` (a module applied twice has two)
         self._ahead = {}     # position -> Ahead
@@ -151,10 +149,6 @@ class BackwardWindow:
         self.gathered_ahead = 0  # units gathered ahead since the engine was created
         self.walk_task = None    # the graph task of the pass walking the order
         self.skip = frozenset()  # positions no rank's backward needs, agreed at the walk's start
-
-    @property
-    def enabled(self) -> bool:
-        return self.bucket_numel > 0
 
     def reset(self):
         """A new outermost forward outside backward: a new order."""
