@@ -165,6 +165,7 @@ from deepspeed_z3ext.state import group_of, of_optimizer, of_param
 
 _MAX_IN_FLIGHT = 2  # stock's max_param_reduce_events
 _SLICES = 4  # a flush reduce-scatters its bucket in this many slices at least ([Note: flush slices])
+_graph_task = torch._C._current_graph_task_id  # read once per gradient (note)
 _DIRECT = 8  # a gradient of an eighth of a slice or more, even over the ranks, is reduced alone ([Note: direct slices])
 
 
@@ -314,12 +315,13 @@ class GradReducer:
     def note(self, param):
         """`reduce_independent_p_g_buckets_and_remove_grads`: `param`'s gradient is in; the buckets whose
         gradients are all in (or unreachable) are reduced, in the layout's order ([Note: fixed gradient layout])."""
-        task = torch._C._current_graph_task_id()
+        task = _graph_task()
         gpass = self._pass
         if gpass is None or (task != self._pass_task and task != -1):
             gpass = self.start_pass(task)
         ds_id = param.ds_id
-        if ds_id in gpass.arrived:
+        arrived = gpass.arrived
+        if ds_id in arrived:
             # Noted already in this pass: a backward that raised part-way left it (its epilogue never ran) and a
             # retry's backward accumulated into the same `.grad`, as autograd does without ZeRO (or its hook fired
             # twice: a weight shared by two reentrant-checkpointed segments). Its bucket is not reduced yet (it
@@ -337,17 +339,20 @@ class GradReducer:
         if index is None:
             raise GradientError(f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got a gradient but "
                                 "was not trainable when this backward began (requires_grad set during backward?)")
-        if gpass.reduced[index] or ds_id in gpass.arrived or ds_id in gpass.unreached:
+        if gpass.reduced[index] or ds_id in arrived or ds_id in gpass.unreached:
             raise GradientError(
                 f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got its gradient after its bucket was "
                 "reduced in this backward (as a gradient this backward could not reach): a node ran a backward of its "
                 "own that z3ext did not recognise as a reentrant checkpoint ([Note: fixed gradient layout] in "
                 "deepspeed_z3ext/grads.py)")
-        gpass.arrived.add(ds_id)
-        if self._arrival is not None and ds_id not in self._arrival:
-            self._arrival[ds_id] = len(self._arrival)
-        gpass.waiting[index] -= 1
-        if not gpass.waiting[index] and index >= gpass.next and index not in gpass.deferred:
+        arrived.add(ds_id)
+        arrival = self._arrival
+        if arrival is not None and ds_id not in arrival:
+            arrival[ds_id] = len(arrival)
+        waiting = gpass.waiting
+        left = waiting[index] - 1
+        waiting[index] = left
+        if not left and index >= gpass.next and index not in gpass.deferred:
             self._advance(gpass)
 
     def start_pass(self, task) -> GradPass:
