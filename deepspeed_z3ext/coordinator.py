@@ -55,8 +55,6 @@ from deepspeed_z3ext.plan import ForwardPlan, fill_siblings
 from deepspeed_z3ext.resident_set import ResidentSet
 from deepspeed_z3ext.window import BackwardWindow, PrefetchWindow
 
-_graph_task = torch._C._current_graph_task_id  # in_backward() inline where each module's forward asks: != -1
-
 _END = 1 << 62  # what a rank whose forward is over asks for ([Note: forwards that differ by rank])
 _RESIDENT_SHARE = 0.5  # of the free memory, what generation may keep gathered ([Note: resident budget])
 
@@ -251,7 +249,7 @@ class Z3extCoordinator:
         claims_ = MemberClaims.NONE
         if not torch.is_grad_enabled():
             pass
-        elif _graph_task() != -1:  # in_backward()
+        elif in_backward():
             if not self.backward_claims.held_by_graph(group.owner):
                 claims_ = MemberClaims.RECOMPUTE
         elif unit.numel > self._group_claim_max and not self._holds(self.backward_claims.open, id(group.owner),
@@ -492,7 +490,7 @@ class Z3extCoordinator:
             group = self._covered.get(id(sub_module))
             if group is not None:  # a member of an open group ([Note: fetch groups])
                 mode = group.member_claims
-                if mode is not MemberClaims.NONE and grad_enabled and not raised and _needs_grad(outputs):
+                if mode is not MemberClaims.NONE and grad_enabled and not raised and any(t.requires_grad for t in outputs):
                     unit = state.unit_for(sub_module, checked=False)
                     if mode is MemberClaims.FORWARD:
                         self._hold_or_claim(sub_module, unit, args, outputs)
@@ -508,10 +506,9 @@ class Z3extCoordinator:
         else:
             group = None
             unit = state.unit_for(sub_module)  # checked: an external discovered in this forward joins
-        phase = Phase.RECOMPUTE if _graph_task() != -1 else Phase.FORWARD  # forward_phase(), inline
+        phase = forward_phase()
         if len(unit):
-            if not grad_enabled or raised or not ((outputs[0].requires_grad if len(outputs) == 1 else
-                                                   _needs_grad(outputs)) or (
+            if not grad_enabled or raised or not (any(t.requires_grad for t in outputs) or (
                     (self._walking or self._recording_together) and phase is Phase.FORWARD and
                     self._follows_trainable(sub_module))):
                 # No output needs grad (or no grad, or it raised): its backward cannot run
@@ -543,9 +540,7 @@ class Z3extCoordinator:
                 self.resident.end_forward()
 
     def _hold(self, module, unit, args, outputs):
-        if not self._held(module, unit):  # _hold_or_claim, inline (once per module and training forward)
-            claim_per_call(self, module, self.backward_claims.new_token(), args, outputs, gathered=False)
-            self._released(module)
+        self._hold_or_claim(module, unit, args, outputs)
         self.state.engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def _hold_or_claim(self, module, unit, args, outputs):
@@ -559,14 +554,11 @@ class Z3extCoordinator:
         """Whether the open graph holds `unit` of `module` for backward, within the budgets (taking the hold)."""
         if not self._hold_enabled:
             return False
-        g, key = self.backward_claims.open, id(module)
-        if g is None:
-            g = self.backward_claims.graph()
-        if key not in g.held and not self._holds(g, key, unit.numel):
+        g, key = self.backward_claims.graph(), id(module)
+        if not self._holds(g, key, unit.numel):
             return False
         self.state.engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
-        if self._walking or self._recording_together:  # _mark, inline
-            self._walk_marks.setdefault(key, len(self.backward_window.order))
+        self._mark(module)
         if key not in g.held:
             g.held.add(key)
             g.held_numel += unit.numel
@@ -777,10 +769,6 @@ class Z3extCoordinator:
         their graph or pass ([Note: graph claims]), which may outlive this backward; graphs freed on every
         rank are dropped, by a vote while any is sealed ([Note: one schedule on every rank] in schedule.py)."""
         self.backward_claims.collect()
-
-
-def _needs_grad(tensors) -> bool:
-    return any(t.requires_grad for t in tensors)
 
 
 def _clean_module_stack():

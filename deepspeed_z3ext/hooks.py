@@ -88,13 +88,7 @@ def _boundary(value, boundary, depth=0):
 def _input_boundary(args, boundary):
     """The module's positional inputs with boundary nodes, or None when none needs grad."""
     if len(args) == 1 and isinstance(args[0], torch.Tensor):  # most modules: one tensor, no walk
-        x = args[0]
-        if not x.requires_grad:
-            return None
-        out = boundary(x)
-        if hasattr(x, "ds_id"):
-            out.ds_param_alias = x  # as _boundary does
-        return (out, )
+        return (_boundary(args[0], boundary), ) if args[0].requires_grad else None
     out = _boundary(args, boundary)
     return None if out is args else out
 

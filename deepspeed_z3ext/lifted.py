@@ -122,7 +122,7 @@ class LiftedHooks:
         liftable = group.liftable
         if liftable is None or liftable[0] != self._version:
             liftable = group.liftable = (self._version, self._liftable(group), _leaf_dicts(group))
-        boundary, out = self.member_boundary if grad_enabled else None, []
+        boundary, out, dicts = self.member_boundary if grad_enabled else None, [], []
         for entry in liftable[1]:
             m, pre, post, pres, posts, always, attrs, forwards = entry
             if len(pres) != 1 or len(posts) != 1 or pre not in pres or post not in posts:
@@ -139,19 +139,14 @@ class LiftedHooks:
                     attrs["forward"] = forwards[1]
                 else:
                     attrs["forward"] = partial(boundary, forward)  # the input boundary, then its forward
-            params = attrs["_parameters"]
-            if params and type(params) is ZERO_DICT:  # plain_lookups, inline: once per member and forward
-                params.__class__ = GATHERED_DICT
-            else:
-                params = None
-            out.append((entry, pre_fn, post_fn, forward, params))
+            out.append((entry, pre_fn, post_fn, forward))
+            dicts.append(attrs["_parameters"])
         group.lifted = out
-        dicts = []
-        for params in liftable[2]:  # [Note: lifted getters] of a z3 leaf member's descendants
-            if type(params) is ZERO_DICT:
-                params.__class__ = GATHERED_DICT
-                dicts.append(params)
-        group.lifted_dicts = dicts
+        # [Note: lifted getters]: the lifted members' parameter dicts and those of a z3 leaf member's descendants
+        # (plain_lookups, inline: once per module and forward)
+        group.lifted_dicts = [d for d in (*dicts, *liftable[2]) if type(d) is ZERO_DICT]
+        for params in group.lifted_dicts:
+            params.__class__ = GATHERED_DICT
 
     @staticmethod
     def modules(group):
@@ -161,14 +156,12 @@ class LiftedHooks:
     def restore_members(self, group):
         """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
         lifted, group.lifted = group.lifted, ()
-        for params in group.lifted_dicts:
+        for params in group.lifted_dicts:  # (zero_lookups, inline)
             if type(params) is GATHERED_DICT:
                 params.__class__ = ZERO_DICT
         group.lifted_dicts = ()
         hooks = self._hooks
-        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, params in lifted:
-            if params is not None and type(params) is GATHERED_DICT:  # zero_lookups, inline
-                params.__class__ = ZERO_DICT
+        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward in lifted:
             if forward is _NONE:
                 attrs.pop("forward", None)
             elif forward is not None:

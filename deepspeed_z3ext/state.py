@@ -189,9 +189,6 @@ class Z3extState:
         if self.groups:
             group = self.groups.get(id(module))
             if group is not None:
-                unit = group.unit  # _group_unit's cached case, inline (three times per group and forward)
-                if unit is not None and (not checked or (group.epoch == TREE.value and not group.dirty)):
-                    return unit
                 return self._group_unit(group, checked)
         return self._module_unit(module, checked)
 
