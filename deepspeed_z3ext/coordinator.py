@@ -521,7 +521,8 @@ class Z3extCoordinator:
             elif phase is Phase.RECOMPUTE:
                 self._recomputed(sub_module, unit, args, outputs)
             else:
-                self._hold(sub_module, unit, args, outputs)
+                self._hold_or_claim(sub_module, unit, args, outputs)
+                state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
         if not self.running and phase is Phase.FORWARD:
             plan = self.plan
             if self._recording_together and not raised:
@@ -538,10 +539,6 @@ class Z3extCoordinator:
             if self._noting:
                 self._noting = False
                 self.resident.end_forward()
-
-    def _hold(self, module, unit, args, outputs):
-        self._hold_or_claim(module, unit, args, outputs)
-        self.state.engine.reshard(unit, self._fwd, module.ds_id, also_direct=True)
 
     def _hold_or_claim(self, module, unit, args, outputs):
         """The gathered `unit` of a grad-enabled call of `module` is held for the graph's backward, or

@@ -189,7 +189,10 @@ class Z3extState:
         if self.groups:
             group = self.groups.get(id(module))
             if group is not None:
-                return self._group_unit(group, checked)
+                unit = group.unit
+                if unit is not None and (not checked or (group.epoch == TREE.value and not group.dirty)):
+                    return unit  # [Note: tree epoch]
+                return self._group_unit(group)
         return self._module_unit(module, checked)
 
     def _module_unit(self, module, checked):
@@ -234,9 +237,8 @@ class Z3extState:
             self._param_dicts = (TREE.value, dicts)  # after the walk: converting a dict moved the epoch
         return dicts
 
-    def _group_unit(self, group, checked):
-        if group.unit is not None and (not checked or (group.epoch == TREE.value and not group.dirty)):
-            return group.unit  # [Note: tree epoch]
+    def _group_unit(self, group):
+        """A group's unit made again (unit_for: its cached one is stale)."""
         # The owner's own unit: no parameters of its own, but externals its forward may discover.
         units = [self._module_unit(group.owner, True)] + [self._module_unit(m, True) for m in group.members]
         if group.unit is None or any(u is not c for u, c in zip(units, group.member_units)):
