@@ -490,7 +490,7 @@ class Z3extCoordinator:
             group = self._covered.get(id(sub_module))
             if group is not None:  # a member of an open group ([Note: fetch groups])
                 mode = group.member_claims
-                if mode is not MemberClaims.NONE and grad_enabled and not raised and any(t.requires_grad for t in outputs):
+                if mode is not MemberClaims.NONE and grad_enabled and not raised and _needs_grad(outputs):
                     unit = state.unit_for(sub_module, checked=False)
                     if mode is MemberClaims.FORWARD:
                         self._hold_or_claim(sub_module, unit, args, outputs)
@@ -508,7 +508,7 @@ class Z3extCoordinator:
             unit = state.unit_for(sub_module)  # checked: an external discovered in this forward joins
         phase = forward_phase()
         if len(unit):
-            if not grad_enabled or raised or not (any(t.requires_grad for t in outputs) or (
+            if not grad_enabled or raised or not (_needs_grad(outputs) or (
                     (self._walking or self._recording_together) and phase is Phase.FORWARD and
                     self._follows_trainable(sub_module))):
                 # No output needs grad (or no grad, or it raised): its backward cannot run
@@ -551,7 +551,7 @@ class Z3extCoordinator:
         """Whether the open graph holds `unit` of `module` for backward, within the budgets (taking the hold)."""
         if not self._hold_enabled:
             return False
-        g, key = self.backward_claims.graph(), id(module)
+        g, key = self.backward_claims.open or self.backward_claims.graph(), id(module)
         if not self._holds(g, key, unit.numel):
             return False
         self.state.engine.unshard(unit, self._bwd, g.token)  # already gathered: adds the claim only
@@ -766,6 +766,11 @@ class Z3extCoordinator:
         their graph or pass ([Note: graph claims]), which may outlive this backward; graphs freed on every
         rank are dropped, by a vote while any is sealed ([Note: one schedule on every rank] in schedule.py)."""
         self.backward_claims.collect()
+
+
+def _needs_grad(outputs) -> bool:
+    """Whether any of a module call's output tensors needs a gradient (most have one output: no generator)."""
+    return outputs[0].requires_grad if len(outputs) == 1 else any(t.requires_grad for t in outputs)
 
 
 def _clean_module_stack():
