@@ -17,8 +17,9 @@ thread per process reads each engine's every `min(1, hang_timeout / 4)` seconds:
 - from the same reports every rank comes to the same verdict. A certain divergence raises at once: the first
   collective whose records differ (kind, elements, tensors, module: `ScheduleMismatchError` naming each rank's
   module), or every rank waiting, in different collectives. Otherwise a rank is late (it has not arrived, or
-  did not answer) or every rank waits in one collective (slow): each rank logs a warning naming the late rank,
-  what it last did and where it is, and training goes on; the next inquiry comes one `hang_timeout` later,
+  did not answer) or every rank waits in one collective (slow, once the last to arrive has waited an interval
+  too: before that, the late rank has just arrived and nothing is said): each rank logs a warning naming the
+  late rank, what it last did and where it is, and training goes on; the next inquiry comes one `hang_timeout` later,
   until the collective has been pending for the deadline, the process group's timeout less a margin ([Note:
   the deadline is the group's] in deadline.py): then every rank raises `RankTimeoutError`, the same message.
 Then the engine is not usable: a host wait on a gloo group wakes within 0.1 s and raises the error, every
@@ -111,9 +112,10 @@ class Watchdog:
         self._inquiry += 1
         cls, message = verdict(reports, self.world, self.deadline, self._names())
         if cls is None:  # late or slow, before the deadline: a warning, and training goes on
-            from deepspeed.utils import logger
-            logger.warning(message)
-            self.warnings += 1
+            if message is not None:
+                from deepspeed.utils import logger
+                logger.warning(message)
+                self.warnings += 1
             self._next = min(self.progress.stalled_seconds() + self.deadline.interval, self.deadline.deadline)
             return
         self._deliver(cls, message, n)
@@ -183,7 +185,8 @@ class Watchdog:
 
 def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
     """(error class, message) from every answering rank's report, or (None, the warning) where the ranks wait for
-    a late rank, or are slow, and the deadline has not come ([Note: hang watchdog])."""
+    a late rank, or are slow, and the deadline has not come, or (None, None) where the late rank has just arrived
+    ([Note: hang watchdog])."""
     tail = ". The engine is not usable any more: every rank raises this error"
     silent = [r for r in range(world) if r not in reports]
     by_index = {r: {rec[0]: rec for rec in rep["records"]} for r, rep in reports.items()}
@@ -227,6 +230,13 @@ def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
     oldest = min((p[0] for p in pending.values() if p), key=lambda rec: rec[0], default=None)
     waited_for = f"collective #{oldest[0]} ({describe(names, oldest[1:6])})" if oldest else f"collective #{arrived}"
     age = max((rep.get("stalled", 0.0) for rep in reports.values()), default=0.0)
+    if not late and oldest is not None:
+        # Every rank in one collective, one of them for less than an interval where another waited an interval
+        # longer: the late rank has just arrived (the reports met its arrival), and the collective has not been
+        # slow yet. Nothing to say; the next inquiry, an interval on, tells slow from done.
+        waits = [by_index[r][oldest[0]][6] for r in reports if oldest[0] in by_index[r]]
+        if min(waits) < deadline.interval <= max(waits) - min(waits) and age < deadline.deadline:
+            return None, None
     late = sorted(set(late))
     who = (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}" if late else "")
     detail = "; ".join(lines)

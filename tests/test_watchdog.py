@@ -256,6 +256,15 @@ def test_the_verdict_names_the_first_difference_the_late_rank_and_the_silent_one
     reports = {r: rep(13, same + [rec(12, 9, 1)]) for r in range(2)}
     cls, msg = verdict(reports, 2, deadline, names)
     assert cls is None and "slow, not diverged" in msg, msg
+    # ... but rank 0 arrived in it just now, after rank 1 waited 6 s for it: the late rank has arrived, nothing
+    # to say (not "slow": the collective has run for no time yet)
+    reports = {0: rep(13, same + [rec(12, 9, 1, age=0.0)], stalled=0.0),
+               1: rep(13, same + [rec(12, 9, 1, age=6.0)], stalled=6.0)}
+    assert verdict(reports, 2, deadline, names) == (None, None)
+    reports[0]["records"][-1][6] = reports[0]["stalled"] = 3.5  # both an interval in: slow
+    cls, msg = verdict(reports, 2, deadline, names)
+    assert cls is None and "slow, not diverged" in msg, msg
+    reports[0]["records"][-1][6] = reports[0]["stalled"] = 0.0
     reports[1]["stalled"] = 26.0
     cls, msg = verdict(reports, 2, deadline, names)
     assert cls is RankTimeoutError and "did not complete on any rank" in msg.splitlines()[0], msg
