@@ -39,14 +39,18 @@ The gradients need nothing more ([Note: fixed gradient layout], [Note: presence 
 a module off the plan on some ranks only (never run while recording, and no sibling to copy), which the ranks'
 collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) are not walked.
 """
+import collections
 import contextlib
 import functools
+import weakref
+from typing import Optional
 
 import torch
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 from deepspeed.utils import log_dist, logger
 
 from deepspeed_z3ext import claims, groups
+from deepspeed_z3ext.conditional import is_conditional
 from deepspeed_z3ext.groups import MemberClaims
 from deepspeed_z3ext import deepspeed_private as private
 from deepspeed_z3ext.grads import reducer_of
@@ -126,6 +130,20 @@ class Z3extCoordinator:
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
         self._param_by_ds_id = None
+        # The declared conditional modules, which have no hooks of their own ([Note: conditional modules] in
+        # conditional.py): each forward's record of which ran ([Note: presence behind a reentrant checkpoint])
+        self._conditional = [m for m in state.module.modules() if is_conditional(m)]
+        if self._conditional:
+            me = weakref.ref(self)
+
+            def ran(module, _args):
+                coordinator = me()
+                if coordinator is not None:
+                    ran = coordinator.plan.conditional_ran  # id -> whether it ran with grad mode on each time
+                    ran[id(module)] = ran.get(id(module), True) and torch.is_grad_enabled()
+
+            for m in self._conditional:
+                m.register_forward_pre_hook(ran)
 
     def _resident_from_memory(self):
         """[Note: resident budget] in resident_set.py: the elements half of this rank's free memory holds, at
@@ -164,6 +182,23 @@ class Z3extCoordinator:
         pass
 
     # -- fetch and release ---------------------------------------------------------------------
+    def hidden_runs(self) -> Optional[collections.Counter]:
+        """ds_id -> how many times the unit holding it ran with grad mode off in this rank's last training forward (a
+        reentrant checkpoint's first forward; not a module it skipped, nor a declared conditional module that did not
+        run); None where it cannot tell: [Note: presence behind a reentrant checkpoint] in grads.py."""
+        plan, unit_for, out = self.plans[True], self.state.unit_for, collections.Counter()
+        for module in plan.ran_without_grad():
+            if module is None:  # a member whose forward is no bound method
+                return None
+            out.update(h.ds_id for h in unit_for(module, checked=False).handles)
+        for module in self._conditional:  # gathered with its parent whether it ran or not
+            ids = [p.ds_id for p in module.parameters() if hasattr(p, "ds_id")]
+            for ds_id in ids:
+                out.pop(ds_id, None)
+            if plan.conditional_ran.get(id(module)) is False:
+                out.update(ids)
+        return out
+
     def running_module(self):
         """The innermost module of this engine running its forward (recomputation included)."""
         return self.running[-1] if self.running else None
@@ -309,6 +344,8 @@ class Z3extCoordinator:
         if self._noting:
             self.resident.seen(sub_module)
         if self._covered and id(sub_module) in self._covered:
+            if not torch.is_grad_enabled():  # [Note: presence behind a reentrant checkpoint] in grads.py
+                self.plan.members_without_grad.append(sub_module)
             return  # its group's owner fetched it ([Note: fetch groups])
         plan = self.plan
         if plan.recording:
@@ -402,6 +439,7 @@ class Z3extCoordinator:
         forward ends after those of the modules it calls: a skipped module's release waits for its descendants
         skipped after it (`_end_skipped`), as the backward walk's order follows the forwards' ends."""
         self._end_skipped(module)
+        self.plan.skip_last()
         if self._noting:
             self.resident.seen(module)
         unit = self.state.unit_for(module, checked=False)

@@ -60,7 +60,7 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
     """[Note: lean gradient hook]: a parameter's hook (`params` = [it]), or a z3 leaf module's (its parameters,
     `zero_missing`: stock's zeros for those without a gradient)."""
 
-    def hook(*_):
+    def hook(*args):
         hooks = routine = private.routine_hook(optimizer)  # [Note: routine gradient hook]
         if routine is None:
             hooks = private.backward_hook_state(optimizer)
@@ -80,6 +80,8 @@ def _lean_hook(optimizer, state, params, counted, leaf_modules, name, zero_missi
                 for param in params:
                     if param.grad is not None:
                         reducer.note(param)
+                if zero_missing and any(g is not None for g in args[1]):  # after its parameters' gradients
+                    reducer.missing_at_leaf(params)
             else:
                 for param in params:
                     optimizer.reduce_independent_p_g_buckets_and_remove_grads(param)

@@ -219,7 +219,8 @@ class GradLayout(NamedTuple):
 class GradPass:
     """One backward pass's progress through the layout: which gradients arrived, which cannot come."""
 
-    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate", "reduced", "deferred", "walked")
+    __slots__ = ("waiting", "next", "arrived", "unreached", "exact", "accumulate", "reduced", "deferred", "walked",
+                 "again")
 
     def __init__(self, layout, accumulate):
         self.waiting = [len(b) for b in layout.buckets]  # parameters of each bucket neither arrived nor unreached
@@ -231,6 +232,8 @@ class GradPass:
         self.reduced = [False] * len(layout.buckets)
         self.deferred = frozenset()  # buckets some rank's backward cannot complete: reduced at the pass's end
         self.walked = False      # the pass walks re-gathered modules: it ends at the walk's end ([Note: presence agreed])
+        self.again = None        # ds_ids whose gradient may come twice, where the pass predicted the unreached ones
+                                 # ([Note: presence behind a reentrant checkpoint])
 
 
 # [Note: shared zeros] A flush reduces zeros for each gradient that did not come (an expert no token reached, a
@@ -395,18 +398,77 @@ class GradReducer:
         gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
         if agreed is not None:
             gpass.deferred, gpass.walked = agreed[1], True
-            unreached, exact = agreed[2], agreed[3]
+            gone, gpass.exact, gpass.again = agreed[2], agreed[3], agreed[4]
         else:
             unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
-            exact = unreached is not None and not unreached[1] and not _nested_backward()
-        if exact:
-            gpass.exact = True
-            bucket_of, params, waiting = layout.bucket_of, layout.params, gpass.waiting
-            for i in unreached[0]:
-                ds_id = params[i].ds_id
-                gpass.unreached.add(ds_id)
+            gpass.exact = unreached is not None and not unreached[1] and not _nested_backward()
+            gone, gpass.again = self._unreachable(layout, unreached, gpass.exact)
+            if gpass.again is not None:  # [Note: presence behind a reentrant checkpoint]
+                gpass.deferred = self._vote(layout, gone, gpass.again, ())[0]
+        if gone:
+            bucket_of, waiting = layout.bucket_of, gpass.waiting
+            gpass.unreached.update(gone)
+            for ds_id in gone:
                 waiting[bucket_of[ds_id]] -= 1
         return gpass
+
+    def _unreachable(self, layout, unreached, exact):
+        """(the ds_ids of the trainable parameters this backward cannot reach, those whose gradient may come more than
+        once or None): those whose gradient accumulator is not in the running graph task, where that is exact
+        ([Note: fixed gradient layout]); where the graph holds a reentrant checkpoint, those of them that no unit this
+        rank ran with grad mode off holds ([Note: presence behind a reentrant checkpoint]); none where neither can
+        tell."""
+        if unreached is None:
+            return set(), None
+        params = layout.params
+        if exact:
+            return {params[i].ds_id for i in unreached[0]}, None
+        state = self._state()
+        if not unreached[1] or state is None or state.coordinator is None:
+            return set(), None
+        hidden = state.coordinator.hidden_runs()
+        if hidden is None:  # any parameter may be hidden: the vote all the same, each rank alike
+            return set(), set()
+        outside = {params[i].ds_id for i in unreached[0]}
+        gone = {ds_id for ds_id in outside if ds_id not in hidden}
+        again = {ds_id for ds_id, runs in hidden.items() if runs > 1 or ds_id not in outside}
+        return gone, again
+
+    def _vote(self, layout, gone, again, units):
+        """[Note: presence agreed]: the buckets some rank cannot complete as its gradients come (a parameter in `gone`
+        or in `again` on that rank), and for each of `units` (each a unit's trainable ds_ids) whether no rank's
+        backward reaches any of them."""
+        bucket_of = layout.bucket_of
+        full = [True] * len(layout.buckets)
+        for ds_id in (*gone, *(again or ())):
+            index = bucket_of.get(ds_id)
+            if index is not None:
+                full[index] = False
+        flags = full + [bool(ids) and all(i in gone for i in ids) for ids in units]
+        if self._agreement.world > 1:
+            flags = self._agreement.all_true(flags, kind=10)
+        n = len(full)
+        return frozenset(i for i, f in enumerate(flags[:n]) if not f), flags[n:]
+
+    def missing_at_leaf(self, params):
+        """A z3 leaf's hook ran after its parameters' gradients (its inputs need one): in a pass that predicted what it
+        cannot reach, those of them without a gradient are unreached ([Note: presence behind a reentrant
+        checkpoint]): the experts no token of this rank reached inside a reentrant segment."""
+        gpass = self._pass
+        if gpass is None or gpass.again is None:
+            return
+        bucket_of, waiting, advance = self.layout.bucket_of, gpass.waiting, False
+        for p in params:
+            ds_id = p.ds_id
+            index = bucket_of.get(ds_id)
+            if index is None or p.grad is not None or ds_id in gpass.arrived or ds_id in gpass.unreached or \
+                    ds_id in gpass.again or gpass.reduced[index]:
+                continue
+            gpass.unreached.add(ds_id)
+            waiting[index] -= 1
+            advance = advance or (not waiting[index] and index >= gpass.next and index not in gpass.deferred)
+        if advance:
+            self._advance(gpass)
 
     def _advance(self, gpass, finish=False):
         """Reduces the buckets from the first unreduced one on while each is complete, passing over those
@@ -446,33 +508,25 @@ class GradReducer:
             self.layout = _make_layout(optimizer, key, self.bucket_size, None)
             self._ordered, self._arrival = False, {}
         layout = self.layout
-        full = [True] * len(layout.buckets)
         unreached = ops().unreached_in_backward(layout.params)
         exact = unreached is not None and not unreached[1] and not _nested_backward()
-        bucket_of = layout.bucket_of
-        if exact and unreached[0]:
-            params = layout.params
-            gone = {params[i].ds_id for i in unreached[0]}
-            for ds_id in gone:
-                full[bucket_of[ds_id]] = False
+        gone, again = self._unreachable(layout, unreached, exact)
+        units = []
+        if gone:
             if self._trainable_of[0] != layout.key:
                 self._trainable_of = (layout.key, {})
-            cache, unneeded = self._trainable_of[1], []
+            cache, bucket_of = self._trainable_of[1], layout.bucket_of
             for module in modules:
                 unit = unit_for(module)
                 hit = cache.get(id(unit))
                 if hit is None or hit[0] is not unit:
                     hit = cache[id(unit)] = (unit, [h.ds_id for h in unit.handles if h.ds_id in bucket_of])
-                unneeded.append(bool(hit[1]) and all(i in gone for i in hit[1]))
+                units.append(hit[1])
         else:
-            unneeded = [False] * len(modules)
-        flags = full + unneeded
-        if self._agreement.world > 1:
-            flags = self._agreement.all_true(flags, kind=10)
-        n = len(full)
-        self._agreed = (torch._C._current_graph_task_id(), frozenset(i for i, f in enumerate(flags[:n]) if not f),
-                        unreached, exact)
-        return flags[n:]
+            units = [()] * len(modules)
+        deferred, unneeded = self._vote(layout, gone, again, units)
+        self._agreed = (torch._C._current_graph_task_id(), deferred, gone, exact, again)
+        return unneeded
 
     def _walk_above(self, params):
         """[Note: reductions on the walk] in window.py: the walk passes what lies above the bucket's modules first."""

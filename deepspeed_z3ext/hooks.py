@@ -200,7 +200,9 @@ def register(offload, module):
         # A group member's call while its group is open, in place of its two hooks ([Note: member hooks] in
         # lifted.py): the pre-forward hook's input boundary, in grad mode. Most members take one tensor: its
         # boundary inline (this runs for every member of every block).
-        if args and grad_enabled():
+        if not grad_enabled():  # inside a no_grad region of the owner's forward: a reentrant checkpoint's, say
+            offload.param_coordinator.plan.members_without_grad.append(getattr(forward, "__self__", None))
+        elif args:
             if len(args) == 1 and isinstance(args[0], Tensor):
                 x = args[0]
                 if x.requires_grad:

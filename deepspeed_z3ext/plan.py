@@ -15,6 +15,8 @@ same modules in the same order, so every rank builds the same batches.
 import enum
 from typing import NamedTuple, Optional
 
+from torch import is_grad_enabled
+
 
 class PlanState(enum.Enum):
     RECORDING = 1
@@ -34,6 +36,10 @@ class ForwardPlan:
         self.order = []
         self.cursor = 0
         self.observed = []        # this forward's actual order
+        self.skipped = []         # positions of `observed` this rank gathered for a module it did not run
+        self.no_grad = []         # positions of `observed` fetched with grad mode off (a reentrant checkpoint's forward)
+        self.members_without_grad = []  # group members that ran with grad mode off (their owner fetched them)
+        self.conditional_ran = {}  # id of a declared conditional module that ran -> with grad mode on (coordinator.py)
         self.divergence: Optional[Divergence] = None  # this forward's first divergence
         self.diverged_forwards = 0
         self.resyncs = 0
@@ -58,6 +64,10 @@ class ForwardPlan:
             self.state = PlanState.REPLAYING
             self.recording = False
         self.observed = []
+        self.skipped = []
+        self.no_grad = []
+        self.members_without_grad = []
+        self.conditional_ran = {}
         self.cursor = 0
         self.divergence = None
         self._scan = None  # (what `follows` looks for may change between forwards: a parameter frozen)
@@ -89,6 +99,17 @@ class ForwardPlan:
         """The outermost forward returned: what its own forward fetched (not a recomputation in backward)."""
         self.observed_forward_len = len(self.observed)
 
+    def skip_last(self):
+        """The module observed last was gathered for a forward this rank skips ([Note: forwards that differ by rank]
+        in coordinator.py)."""
+        self.skipped.append(len(self.observed) - 1)
+
+    def ran_without_grad(self):
+        """The modules this rank ran with grad mode off in this forward ([Note: presence behind a reentrant
+        checkpoint] in grads.py)."""
+        skipped = set(self.skipped)
+        return [self.observed[i] for i in self.no_grad if i not in skipped] + self.members_without_grad
+
     def enter(self, module):
         """While recording: a module's forward starts."""
         self.spans.setdefault(id(module), [module, len(self.observed), None])
@@ -103,6 +124,8 @@ class ForwardPlan:
         """Called at each forward fetch of a non-empty unit; returns the plan position after this
         module while replaying (None while recording)."""
         self.observed.append(module)
+        if not is_grad_enabled():
+            self.no_grad.append(len(self.observed) - 1)
         if self.state is PlanState.RECORDING:
             return None
         order, c = self.order, self.cursor
