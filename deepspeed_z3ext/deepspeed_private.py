@@ -132,17 +132,9 @@ class _GatheredDict(parameter_offload.ZeROOrderedDict):
     __getitem__ = collections.OrderedDict.__getitem__
 
 
-# The two classes `plain_lookups` and `zero_lookups` swap, for a loop that swaps many without a call each (lifted.py).
+# A ZeROOrderedDict whose class is set to GATHERED_DICT looks parameters up without DeepSpeed's getter until
+# `zero_lookups` (lifted.py swaps many in a loop, without a call each).
 ZERO_DICT, GATHERED_DICT = parameter_offload.ZeROOrderedDict, _GatheredDict
-
-
-def plain_lookups(params) -> bool:
-    """A module's `_parameters`, if it is a ZeROOrderedDict, looks parameters up without DeepSpeed's getter until
-    `zero_lookups`; False where it is not one (or already so)."""
-    if type(params) is parameter_offload.ZeROOrderedDict:
-        params.__class__ = _GatheredDict
-        return True
-    return False
 
 
 def zero_lookups(params):

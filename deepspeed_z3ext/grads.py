@@ -32,9 +32,10 @@ gradients (zeros where absent): DDP's numbers, bitwise those of stock with an un
   What cannot come is read from the autograd graph at the pass's first gradient (`unreached_in_backward`,
 csrc/backward_count.h): a parameter whose AccumulateGrad is not in the running graph task. That is exact
 unless a node of the graph runs a backward of its own (a reentrant checkpoint, whose parameters join only when
-it runs) or the pass began inside such a nested backward: such a pass judges nothing unreachable, reduces
-complete buckets as they fill, and the rest after the backward (DeepSpeed's epilogue from `engine.backward`,
-outside any graph task; else the next forward or the step). A gradient that arrives for a parameter already
+it runs: predicted from what ran, [Note: presence behind a reentrant checkpoint]) or the pass began inside such
+a nested backward: such a pass judges nothing unreachable, reduces complete buckets as they fill, and the rest
+after the backward (DeepSpeed's epilogue from `engine.backward`, outside any graph task; else the next forward
+or the step); so does a predicted one. A gradient that arrives for a parameter already
 reduced as unreachable raises `GradientError` naming it, never a silent zero. A z3 leaf module's hook notes
 the gradients it has; its experts without one are zeros of the layout (stock makes the same zeros itself).
 A leaf whose inputs need no gradient has its hook called with its outputs' gradients, before its own
@@ -363,8 +364,9 @@ class GradReducer:
             raise GradientError(
                 f"z3ext: parameter ds_id {ds_id} (shape {tuple(param.ds_shape)}) got its gradient after its bucket was "
                 "reduced in this backward (as a gradient this backward could not reach): a node ran a backward of its "
-                "own that z3ext did not recognise as a reentrant checkpoint ([Note: fixed gradient layout] in "
-                "deepspeed_z3ext/grads.py)")
+                "own that z3ext did not recognise as a reentrant checkpoint, or a reentrant checkpoint's segment used a "
+                "parameter of a module that did not run in it ([Note: fixed gradient layout], [Note: presence behind a "
+                "reentrant checkpoint] in deepspeed_z3ext/grads.py)")
         arrived.add(ds_id)
         arrival = self._arrival
         if arrival is not None and ds_id not in arrival:
@@ -412,6 +414,24 @@ class GradReducer:
                 waiting[bucket_of[ds_id]] -= 1
         return gpass
 
+    # [Note: presence behind a reentrant checkpoint] A reentrant checkpoint's segment is one node of the graph until
+    # its own backward runs, so the graph cannot tell at the pass's start which of the segment's parameters get a
+    # gradient; a pass that reduced buckets as they filled put a reduce-scatter where another rank, whose gradients
+    # differ in presence, gathers for the recomputation. The segment's first forward ran with grad mode off and its
+    # recomputation runs the same modules on the same inputs: the parameters of the units this rank ran with grad
+    # mode off in its training forward (plan.py `ran_without_grad`: fetched modules, group members through their
+    # lifted call, declared conditional modules through a pre-hook of their own) are taken as reachable, any other
+    # one outside the graph as unreachable, and the ranks vote ([Note: presence agreed]) at the pass's first
+    # gradient or the backward walk's start: a bucket with a parameter some rank cannot reach, or with one whose
+    # gradient may come twice (a unit run with grad mode off and on, or off twice: each segment's backward
+    # accumulates into `.grad` again, and the sum is reduced once), is reduced at the pass's end on every rank.
+    # Stock reduces such a second gradient as if it were new, off the unsharded model's numbers (tests/programs.py
+    # `compare`). A z3 leaf in a segment marks its experts without a gradient at its hook (`missing_at_leaf`), which
+    # runs after their gradients where the leaf's inputs need one, as a segment's do. A wrong prediction still
+    # raises, named: a module run with grad mode off whose parameters get a gradient on some ranks only
+    # (ScheduleMismatchError, [Note: presence in a reentrant checkpoint] in schedule.py), a parameter taken as
+    # unreachable whose gradient comes (GradientError). Cost: one vote and one read of the forward's record per
+    # pass whose graph holds a reentrant checkpoint; nothing for other passes.
     def _unreachable(self, layout, unreached, exact):
         """(the ds_ids of the trainable parameters this backward cannot reach, those whose gradient may come more than
         once or None): those whose gradient accumulator is not in the running graph task, where that is exact

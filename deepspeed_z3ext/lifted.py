@@ -38,7 +38,7 @@ external.py) runs in Python on every parameter access (`self.weight`): a few cal
 generated token of a 16-layer Llama, 390 per forward of a 32-layer GPT. Where the hooks are lifted, every parameter of the
 module is gathered (a covered module of the resident fast path; a member of an open group, whose parameters are
 its group's own), so the getter has nothing to do: for the time, the dict's class is a subclass with
-OrderedDict's own lookup (deepspeed_private.plain_lookups), still a ZeROOrderedDict with DeepSpeed's setter and
+OrderedDict's own lookup (deepspeed_private.GATHERED_DICT), still a ZeROOrderedDict with DeepSpeed's setter and
 deleter (a parameter set meanwhile still moves the tree epoch); it is put back with the hooks. The same holds
 for the modules inside a z3 leaf member of an open group, which have no hooks to lift: the leaf's unit holds their
 parameters (an expert's weights, read once per expert call: 4 getter calls of Python per expert and block).
@@ -48,7 +48,7 @@ from functools import partial
 
 from deepspeed.utils import z3_leaf_module
 
-from deepspeed_z3ext.deepspeed_private import GATHERED_DICT, ZERO_DICT, plain_lookups, zero_lookups
+from deepspeed_z3ext.deepspeed_private import GATHERED_DICT, ZERO_DICT, zero_lookups
 
 _NONE = object()  # a module without a `forward` of its own (lift_members)
 
@@ -57,7 +57,8 @@ class LiftedHooks:
 
     def __init__(self):
         self._hooks = {}   # id(module) -> (module, pre-hook id, post-hook id): the lift-able ones
-        self._lifted = {}  # id(module) -> (module, its three hook dicts' items before the lift)
+        self._lifted = {}  # id(module) -> (module, its two hooks, or its three hook dicts' items before the lift,
+                           # its parameter dict while it looks up without DeepSpeed's getter)
         self._ids = None   # the module ids lifted for
         self.member_boundary = None  # (forward, *args): a grad-mode member's call ([Note: member hooks])
         self.compiled = 0       # > 0 while a hook runs under a compiled region (hooks.py)
@@ -87,17 +88,27 @@ class LiftedHooks:
         if ids is self._ids:
             return  # lifted for this set already (the next token)
         self._ids = ids
+        hooks, lifted = self._hooks, self._lifted
         for key in ids:
-            entry = self._hooks.get(key)
-            if entry is None or key in self._lifted:
+            entry = hooks.get(key)
+            if entry is None or key in lifted:
                 continue
             m, pre, post = entry
-            dicts = (m._forward_pre_hooks, m._forward_hooks, m._forward_hooks_always_called)
+            pres, posts, always = m._forward_pre_hooks, m._forward_hooks, m._forward_hooks_always_called
             params = m._parameters
-            self._lifted[key] = (m, [list(d.items()) for d in dicts], params if plain_lookups(params) else None)
-            m._forward_pre_hooks.pop(pre, None)
-            m._forward_hooks.pop(post, None)
-            m._forward_hooks_always_called.pop(post, None)
+            if type(params) is ZERO_DICT:  # [Note: lifted getters]
+                params.__class__ = GATHERED_DICT
+            else:
+                params = None
+            if len(pres) == 1 and len(posts) == 1 and pre in pres and post in posts:
+                # z3ext's hooks alone (most modules): they come back first, before any registered meanwhile
+                lifted[key] = (m, (pres.pop(pre), posts.pop(post)), params)
+                del always[post]
+                continue
+            lifted[key] = (m, [list(d.items()) for d in (pres, posts, always)], params)
+            pres.pop(pre, None)
+            posts.pop(post, None)
+            always.pop(post, None)
 
     def restore(self):
         """Every lifted hook back, in its place: hooks registered meanwhile after, hooks removed meanwhile gone."""
@@ -106,6 +117,11 @@ class LiftedHooks:
             if params is not None:
                 zero_lookups(params)
             _, pre, post = self._hooks[key]
+            if type(before) is tuple:  # z3ext's hooks were the only ones
+                _put_first(m._forward_pre_hooks, pre, before[0])
+                _put_first(m._forward_hooks, post, before[1])
+                m._forward_hooks_always_called[post] = True
+                continue
             for d, items, ours in zip((m._forward_pre_hooks, m._forward_hooks, m._forward_hooks_always_called),
                                       before, ({pre}, {post}, {post})):
                 now = OrderedDict(d)
@@ -143,7 +159,6 @@ class LiftedHooks:
             dicts.append(attrs["_parameters"])
         group.lifted = out
         # [Note: lifted getters]: the lifted members' parameter dicts and those of a z3 leaf member's descendants
-        # (plain_lookups, inline: once per module and forward)
         group.lifted_dicts = [d for d in (*dicts, *liftable[2]) if type(d) is ZERO_DICT]
         for params in group.lifted_dicts:
             params.__class__ = GATHERED_DICT
@@ -168,14 +183,8 @@ class LiftedHooks:
                 attrs["forward"] = forward
             if id(m) not in hooks:
                 continue  # removed meanwhile (DeepSpeed re-registering or destroying hooks)
-            if not pres:
-                pres[pre] = pre_fn
-            else:
-                _put_first(pres, pre, pre_fn)
-            if not posts:
-                posts[post] = post_fn
-            else:
-                _put_first(posts, post, post_fn)
+            _put_first(pres, pre, pre_fn)
+            _put_first(posts, post, post_fn)
             always[post] = True
 
     def _liftable(self, group):
@@ -200,6 +209,9 @@ def _leaf_dicts(group):
 
 
 def _put_first(d, key, value):
+    if not d:
+        d[key] = value
+        return
     items = list(d.items())
     d.clear()  # in place: a RemovableHandle holds a weak reference to this very dict
     d[key] = value

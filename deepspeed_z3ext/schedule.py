@@ -119,16 +119,17 @@ class Preagreement:
 def _presence_hint(rows) -> str:
     """[Note: presence in a reentrant checkpoint] Inside a backward, one rank's gradient reduce-scatter met another's
     all-gather: the ranks' gradients differ in presence where the backward's graph could not show it at the pass's
-    start (a reentrant checkpoint's segment is one opaque node until its own backward runs), and the backward
-    gathers modules again, so the reduction sits between different gathers on each rank ([Note: presence agreed]
-    in grads.py). Non-reentrant checkpointing keeps the segment's nodes in the graph: the same programs train
-    to DDP's numbers (tests/test_differential.py)."""
+    start (a reentrant checkpoint's segment is one opaque node until its own backward runs) and z3ext's prediction
+    missed it ([Note: presence behind a reentrant checkpoint] in grads.py: a module run inside the segment whose
+    parameters get a gradient on some ranks only). Non-reentrant checkpointing keeps the segment's nodes in the
+    graph: such programs train to DDP's numbers (tests/test_differential.py)."""
     kinds = {row[0] for row in rows}
     if not {1, 2} <= kinds or torch._C._current_graph_task_id() == -1:
         return ""
     return ("If every rank is in this backward: one reduces gradients where another gathers parameters, so the "
             "ranks' gradients differ in presence where the backward's graph hides them, behind a reentrant activation "
-            "checkpoint (torch.utils.checkpoint with use_reentrant=True, DeepSpeed's activation checkpointing); with "
+            "checkpoint (torch.utils.checkpoint with use_reentrant=True, DeepSpeed's activation checkpointing): a "
+            "module run inside the segment whose parameters get a gradient on some ranks only; with "
             "use_reentrant=False (the default of HF's activation_checkpointing_enable) z3ext sees them ahead and "
             "trains such programs to DDP's numbers. ")
 

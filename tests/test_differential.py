@@ -40,6 +40,14 @@ REGRESSIONS = {
     # sibling inserted into the plan by analogy (`plan.fill_siblings`) brought the conditional layer's submodules,
     # which have no hooks of their own; the rank that walked them failed on a missing ds_id, the other in gloo.
     "conditional-member-not-walked": Program(seed=1036, layers=('repeat', 'repeat', 'repeat', 'linear', 'repeat'), tied=True, checkpoint=(0, 3, True), ga=2, steps=3, clip=0.001, bucket=None, hold=False, live=100, prefetch=0, persistence=0, mel=True, bf16=True, events=(Event(before_step=1, kind='eval', arg=0), Event(before_step=1, kind='kept0', arg=1), Event(before_step=2, kind='freeze', arg=941), Event(before_step=2, kind='unfreeze', arg=933)), moe=None, sometimes=(2, 3, True), undeclared=False, unused=None),
+    # Per-expert MoE inside a reentrant-checkpointed segment, the experts reached differing by rank: the segment's
+    # parameters are predicted from what ran without grad, the experts no token reached marked at the leaf's hook
+    # ([Note: presence behind a reentrant checkpoint] in grads.py); it raised a named ScheduleMismatchError before.
+    "reentrant-moe-in-segment": Program(seed=1034, layers=('repeat', 'linear'), tied=False, checkpoint=(1, 2, True), ga=1, steps=6, clip=1000000.0, bucket=300, hold=False, live=400, prefetch=200, persistence=0, mel=False, bf16=False, events=(Event(before_step=1, kind='dropped', arg=0), Event(before_step=1, kind='fail', arg=1), Event(before_step=4, kind='unfreeze', arg=664), Event(before_step=5, kind='freeze', arg=9), Event(before_step=5, kind='eval', arg=0)), moe=1, sometimes=None, undeclared=False, unused=None),
+    # The MoE outside the segment, and a layer applied outside the segment and again inside it: its gradient comes
+    # twice, summed before the reduction (stock reduces the second as new: the reference is stock with the segment
+    # not reentrant, tests/programs.py `compare`).
+    "reentrant-layer-inside-and-outside": Program(seed=1039, layers=('addmm', 'repeat', 'linear'), tied=False, checkpoint=(1, 2, True), ga=1, steps=4, clip=0.0, bucket=40, hold=False, live=None, prefetch=200, persistence=0, mel=False, bf16=False, events=(Event(before_step=0, kind='kept0', arg=6), Event(before_step=1, kind='freeze', arg=51), Event(before_step=1, kind='unfreeze', arg=383), Event(before_step=2, kind='dropped', arg=0), Event(before_step=3, kind='freeze', arg=448)), moe=0, sometimes=None, undeclared=False, unused=None),
 }
 
 
@@ -76,20 +84,22 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert any(p.undeclared for p in drawn)  # a layer some ranks skip in forward, nothing declared
 
 
-# Per-rank gradient presence (a layer some ranks use) in a model with a reentrant-checkpointed segment, gathered
-# again in backward: the graph hides the segment's parameters at the pass's start, so the ranks cannot agree
-# ahead on which buckets wait for the pass's end ([Note: presence in a reentrant checkpoint] in schedule.py).
+# Per-rank gradient presence (a declared layer some ranks run) in a model with a reentrant-checkpointed segment,
+# gathered again in backward: the graph hides the segment's parameters at the pass's start; z3ext predicts them from
+# what ran without grad and the ranks agree on which buckets wait for the pass's end ([Note: presence behind a
+# reentrant checkpoint] in grads.py). It raised a named ScheduleMismatchError before.
 REENTRANT_PRESENCE = Program(seed=1049, layers=('linear', 'addmm', 'conv', 'bmm', 'lora'), tied=False, checkpoint=(1, 2, True), ga=2, steps=3, clip=0.0, bucket=300, hold=True, live=None, prefetch=200, persistence=0, mel=False, bf16=False, events=(Event(before_step=1, kind='unfreeze', arg=957),), moe=None, sometimes=(3, 3, True), undeclared=False, unused=None)
 
 
-def test_presence_hidden_by_a_reentrant_checkpoint_names_the_checkpoint_and_non_reentrant_trains():
-    """Reentrant: `ScheduleMismatchError` on every rank, before the collective, naming the reentrant checkpoint and
-    the remedy; the same program with `use_reentrant=False`: stock's numbers (DDP's: stock is right here)."""
+def test_presence_hidden_by_a_reentrant_checkpoint_trains_to_stocks_numbers():
+    """The layer some ranks run outside the segment and inside it, reentrant or not, the backward holding every unit
+    or gathering again: stock's numbers (DDP's: stock is right here, with its dummy pass for the skipped layer)."""
+    inside = REENTRANT_PRESENCE._replace(sometimes=(1, 3, True))
     programs = {"reentrant": REENTRANT_PRESENCE,
-                "non-reentrant": REENTRANT_PRESENCE._replace(checkpoint=(1, 2, False))}
-    results = run_on_ranks(_compare_programs, programs=programs, timeout=300)
+                "non-reentrant": REENTRANT_PRESENCE._replace(checkpoint=(1, 2, False)),
+                "reentrant, inside the segment": inside,
+                "reentrant, inside the segment, gathered again": inside._replace(hold=False, live=100)}
+    results = run_on_ranks(_compare_programs, programs=programs, timeout=600)
     for rank, rows in enumerate(results):
-        outcome = {name: o for name, o, _ in rows}
-        assert outcome["non-reentrant"] is None, (rank, outcome["non-reentrant"])
-        raised = outcome["reentrant"] or ""
-        assert "ScheduleMismatchError" in raised and "use_reentrant=False" in raised, (rank, raised[-1500:])
+        for name, outcome, _ in rows:
+            assert outcome is None, (rank, name, outcome[-2000:])

@@ -135,6 +135,27 @@ def generation_runs():
         if name == "stock":  # (stock's own hooks release inside GatheredParameters: TRL removes them first)
             r["gathered_tokens"] = _generate(engine, _prompt(rank, 82))[0]
         if name == "z3ext":
+            # A generation with no other hooks on the layers (z3ext's their only ones) and one registered on a layer
+            # while its hooks are lifted: after the residency, z3ext's back in their places, the new one after them
+            layer = engine.module.model.layers[0].mlp
+            before = [list(d) for d in (layer._forward_pre_hooks, layer._forward_hooks,
+                                        layer._forward_hooks_always_called)]
+            added = []
+
+            def add_during_the_lift(m, a, y):
+                if lifted.active and not added:
+                    added.append(layer.register_forward_hook(lambda *_: None))
+
+            root_hook = engine.module.register_forward_hook(add_during_the_lift)
+            _generate(engine, _prompt(rank, 83))
+            root_hook.remove()
+            deepspeed_z3ext.release_resident(engine)
+            after = [list(d) for d in (layer._forward_pre_hooks, layer._forward_hooks,
+                                       layer._forward_hooks_always_called)]
+            r["hooks_back_alone"] = (bool(added), after == [before[0], before[1] + [added[0].id], before[2]]
+                                     if added else after)
+            for h in added:
+                h.remove()
             # TRL's way: generation inside GatheredParameters over the whole model
             with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
                 r["gathered_tokens"] = _generate(engine, _prompt(rank, 82))[0]
@@ -209,6 +230,7 @@ def test_the_whole_model_resident_gathers_once_per_generate(runs):
         # The prompt's forward keeps everything, every later token finds everything resident: no gather after it.
         assert r["fast"] == [NEW_TOKENS - 1] * 2, r["fast"]
         assert r["lifted"] == [(True, True, True)] * 2 and r["hooks_back"], (r["lifted"], r["hooks_back"])
+        assert r["hooks_back_alone"] == (True, True), r["hooks_back_alone"]
         assert r["after_first_forward"] == [0, 0] and off["after_first_forward"][1] > 0, (
             r["after_first_forward"], off["after_first_forward"])
         assert r["single_no_grad"] == (0, 0, True), r["single_no_grad"]
