@@ -574,6 +574,9 @@ class Z3extCoordinator:
             if self.backward_window.order:  # a rank whose backward fetches none of them walks them too
                 for node in nodes:
                     node.register_prehook(self._walk_hook)
+            elif plan.no_grad or plan.members_without_grad or False in plan.conditional_ran.values():
+                for node in nodes:  # [Note: presence behind a reentrant checkpoint] in grads.py
+                    node.register_prehook(self._reentrant_hook)
             if self._noting:
                 self._noting = False
                 self.resident.end_forward()
@@ -674,6 +677,11 @@ class Z3extCoordinator:
 
     def _walk_hook(self, grad_outputs):
         self.start_backward_walk()
+
+    def _reentrant_hook(self, grad_outputs):
+        reducer = self._reducer()
+        if reducer is not None and torch._C._current_graph_task_id() >= 0:
+            reducer.agree_reentrant()
 
     def walk_above(self, params):
         """Before a walked pass reduces the bucket of `params`: the walk passes the positions above their modules

@@ -276,7 +276,10 @@ class GradReducer:
         self._pass: Optional[GradPass] = None
         self._arrival = {}  # ds_id -> position in this rank's first pass on a layout not yet ordered by arrivals
         self._ordered = False  # the layout follows the ranks' agreed arrival order
-        self._agreed = None  # (graph task, buckets deferred to its end, unreached, exact) ([Note: presence agreed])
+        # (graph task, buckets deferred to its end, unreached, exact, may come twice, walked) ([Note: presence agreed]),
+        # until the pass begins; the graph task of the last vote
+        self._agreed = None
+        self._voted = None
         self._trainable_of = (None, {})  # (layout key, id(unit) -> (unit, its trainable ds_ids)) (agree_presence)
         self._agreement = state.agreement
         self._n_unreached = 0
@@ -390,7 +393,10 @@ class GradReducer:
         """The first gradient of a backward pass: the layout (re-made when the trainable parameters changed),
         and which of them this backward cannot reach ([Note: fixed gradient layout])."""
         optimizer = self._optimizer()
-        agreed = self._agreed if self._agreed is not None and self._agreed[0] == task else None
+        agreed = self._agreed
+        if agreed is not None and agreed[0] != task and not (agreed[5] is False and _nested_backward()):
+            agreed = None  # (a reentrant segment's backward inside the pass the ranks voted on at its start: theirs)
+        self._agreed = None
         layout = self.layout
         if agreed is None:  # (a walked pass made the layout for this task at its start)
             key = _trainable_key(optimizer)
@@ -399,14 +405,11 @@ class GradReducer:
                 self._ordered, self._arrival = False, {}
         gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
         if agreed is not None:
-            gpass.deferred, gpass.walked = agreed[1], True
-            gone, gpass.exact, gpass.again = agreed[2], agreed[3], agreed[4]
-        else:
+            gpass.deferred, gone, gpass.exact, gpass.again, gpass.walked = agreed[1:]
+        else:  # (a prediction without the ranks' vote would put their reductions at different places: none)
             unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
             gpass.exact = unreached is not None and not unreached[1] and not _nested_backward()
-            gone, gpass.again = self._unreachable(layout, unreached, gpass.exact)
-            if gpass.again is not None:  # [Note: presence behind a reentrant checkpoint]
-                gpass.deferred = self._vote(layout, gone, gpass.again, ())[0]
+            gone = self._unreachable(layout, unreached, gpass.exact)[0] if gpass.exact else ()
         if gone:
             bucket_of, waiting = layout.bucket_of, gpass.waiting
             gpass.unreached.update(gone)
@@ -421,8 +424,10 @@ class GradReducer:
     # recomputation runs the same modules on the same inputs: the parameters of the units this rank ran with grad
     # mode off in its training forward (plan.py `ran_without_grad`: fetched modules, group members through their
     # lifted call, declared conditional modules through a pre-hook of their own) are taken as reachable, any other
-    # one outside the graph as unreachable, and the ranks vote ([Note: presence agreed]) at the pass's first
-    # gradient or the backward walk's start: a bucket with a parameter some rank cannot reach, or with one whose
+    # one outside the graph as unreachable, and the ranks vote ([Note: presence agreed]) at the backward's start (the
+    # walk's start, or a hook on the outputs of a training forward that ran something with grad mode off: a point
+    # every rank reaches; a pass's first gradient is not one, a rank whose first gradient comes from inside a
+    # segment has gathered for its recomputation already, seed 1147): a bucket with a parameter some rank cannot reach, or with one whose
     # gradient may come twice (a unit run with grad mode off and on, or off twice: each segment's backward
     # accumulates into `.grad` again, and the sum is reduced once), is reduced at the pass's end on every rank.
     # Stock reduces such a second gradient as if it were new, off the unsharded model's numbers (tests/programs.py
@@ -509,7 +514,15 @@ class GradReducer:
                     gpass.reduced[index] = True
                     self._flush(buckets[index], gpass)
 
-    def agree_presence(self, modules=(), unit_for=None) -> List[bool]:
+    def agree_reentrant(self):
+        """The backward's start, on every rank (a hook on the training forward's outputs, which ran something with
+        grad mode off): where the graph holds a reentrant checkpoint, the ranks vote on what each can reach
+        ([Note: presence behind a reentrant checkpoint]) for a pass that walks nothing."""
+        if self._voted == torch._C._current_graph_task_id():
+            return  # the walk's start voted already
+        self.agree_presence(walked=False)
+
+    def agree_presence(self, modules=(), unit_for=None, walked=True) -> List[bool]:
         """[Note: presence agreed] A backward that gathers modules again ([Note: backward walk] in window.py)
         issues the same gathers on every rank, but a bucket is reduced once its gradients are in, and which
         come differs by rank where the ranks' backwards reach different parameters: the reduce-scatter would sit
@@ -531,6 +544,8 @@ class GradReducer:
         unreached = ops().unreached_in_backward(layout.params)
         exact = unreached is not None and not unreached[1] and not _nested_backward()
         gone, again = self._unreachable(layout, unreached, exact)
+        if not walked and again is None:
+            return []  # no reentrant checkpoint: the first gradient tells ([Note: fixed gradient layout])
         units = []
         if gone:
             if self._trainable_of[0] != layout.key:
@@ -545,7 +560,8 @@ class GradReducer:
         else:
             units = [()] * len(modules)
         deferred, unneeded = self._vote(layout, gone, again, units)
-        self._agreed = (torch._C._current_graph_task_id(), deferred, gone, exact, again)
+        self._voted = torch._C._current_graph_task_id()
+        self._agreed = (self._voted, deferred, gone, exact, again, walked)
         return unneeded
 
     def _walk_above(self, params):
