@@ -574,8 +574,8 @@ class Z3extCoordinator:
             if self.backward_window.order:  # a rank whose backward fetches none of them walks them too
                 for node in nodes:
                     node.register_prehook(self._walk_hook)
-            elif plan.no_grad or plan.members_without_grad or False in plan.conditional_ran.values():
-                for node in nodes:  # [Note: presence behind a reentrant checkpoint] in grads.py
+            else:  # [Note: presence behind a reentrant checkpoint] in grads.py
+                for node in nodes:
                     node.register_prehook(self._reentrant_hook)
             if self._noting:
                 self._noting = False

@@ -280,6 +280,7 @@ class GradReducer:
         # until the pass begins; the graph task of the last vote
         self._agreed = None
         self._voted = None
+        self._unreached = None  # (graph task, layout, what it cannot reach) read at the backward's start
         self._trainable_of = (None, {})  # (layout key, id(unit) -> (unit, its trainable ds_ids)) (agree_presence)
         self._agreement = state.agreement
         self._n_unreached = 0
@@ -407,7 +408,11 @@ class GradReducer:
         if agreed is not None:
             gpass.deferred, gone, gpass.exact, gpass.again, gpass.walked = agreed[1:]
         else:  # (a prediction without the ranks' vote would put their reductions at different places: none)
-            unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
+            cached = self._unreached
+            if cached is not None and cached[0] == task and cached[1] is layout:
+                unreached = cached[2]  # read by agree_reentrant at the backward's start
+            else:
+                unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
             gpass.exact = unreached is not None and not unreached[1] and not _nested_backward()
             gone = self._unreachable(layout, unreached, gpass.exact)[0] if gpass.exact else ()
         if gone:
@@ -425,9 +430,9 @@ class GradReducer:
     # mode off in its training forward (plan.py `ran_without_grad`: fetched modules, group members through their
     # lifted call, declared conditional modules through a pre-hook of their own) are taken as reachable, any other
     # one outside the graph as unreachable, and the ranks vote ([Note: presence agreed]) at the backward's start (the
-    # walk's start, or a hook on the outputs of a training forward that ran something with grad mode off: a point
-    # every rank reaches; a pass's first gradient is not one, a rank whose first gradient comes from inside a
-    # segment has gathered for its recomputation already, seed 1147): a bucket with a parameter some rank cannot reach, or with one whose
+    # walk's start, or a pre-hook on every training forward's outputs, which votes where the graph holds a reentrant
+    # checkpoint: a point every rank reaches; a pass's first gradient is not one, a rank whose first gradient comes
+    # from inside a segment has gathered for its recomputation already, seed 1147): a bucket with a parameter some rank cannot reach, or with one whose
     # gradient may come twice (a unit run with grad mode off and on, or off twice: each segment's backward
     # accumulates into `.grad` again, and the sum is reduced once), is reduced at the pass's end on every rank.
     # Stock reduces such a second gradient as if it were new, off the unsharded model's numbers (tests/programs.py
@@ -515,11 +520,11 @@ class GradReducer:
                     self._flush(buckets[index], gpass)
 
     def agree_reentrant(self):
-        """The backward's start, on every rank (a hook on the training forward's outputs, which ran something with
-        grad mode off): where the graph holds a reentrant checkpoint, the ranks vote on what each can reach
-        ([Note: presence behind a reentrant checkpoint]) for a pass that walks nothing."""
-        if self._voted == torch._C._current_graph_task_id():
-            return  # the walk's start voted already
+        """The backward's start, on every rank (a hook on a training forward's outputs): where the graph holds a
+        reentrant checkpoint, the ranks vote on what each can reach ([Note: presence behind a reentrant checkpoint])
+        for a pass that walks nothing."""
+        if self._voted == torch._C._current_graph_task_id() or self._pass is not None:
+            return  # voted already (the walk's start, another output), or the pass began
         self.agree_presence(walked=False)
 
     def agree_presence(self, modules=(), unit_for=None, walked=True) -> List[bool]:
@@ -544,8 +549,9 @@ class GradReducer:
         unreached = ops().unreached_in_backward(layout.params)
         exact = unreached is not None and not unreached[1] and not _nested_backward()
         gone, again = self._unreachable(layout, unreached, exact)
-        if not walked and again is None:
-            return []  # no reentrant checkpoint: the first gradient tells ([Note: fixed gradient layout])
+        if not walked and again is None:  # no reentrant checkpoint: the pass's first gradient reads the same graph
+            self._unreached = (torch._C._current_graph_task_id(), layout, unreached)
+            return []
         units = []
         if gone:
             if self._trainable_of[0] != layout.key:
