@@ -125,7 +125,7 @@ class Z3extCoordinator:
         self._recording_together = False
         self._walking = False
         self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
-        self._skipping = []  # (module, unit, ids of its descendants): skipped, released once its descendants are
+        self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released once its descendants are
         self._descendants = {}  # id(module) -> ids of the modules below it, for `_skipping`
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
@@ -382,8 +382,10 @@ class Z3extCoordinator:
         for another gather it as a skipped module, or as that module's new external) until this rank's own is."""
         agreement, plan = self.state.agreement, self.plan
         mine = (ds_id, param_id)
+        grad_enabled = int(torch.is_grad_enabled())
         while True:
-            served = min(tuple(r) for r in agreement.all_gather(list(mine), kind=11))
+            rows = agreement.all_gather([*mine, grad_enabled], kind=11)
+            served = min((r[0], r[1]) for r in rows)
             if served == mine or served[0] == _END:
                 self._end_skipped()
                 return
@@ -394,8 +396,9 @@ class Z3extCoordinator:
             if served[1] >= 0:
                 self._discovered_elsewhere(module, served[1])
                 continue
-            plan.observe(module)
-            self._skipped(module, None)
+            ran_with_grad = any(r[2] for r in rows if (r[0], r[1]) == served)
+            plan.observe(module, ran_with_grad)
+            self._skipped(module, None, ran_with_grad)
 
     def discover_together(self, module, param) -> bool:
         """[Note: discoveries recorded together] A parameter read in the forward of a module that does not own it
@@ -421,23 +424,32 @@ class Z3extCoordinator:
             register_external_parameter(module, param)
         self.state.discover_external(module, param)
         if skipping and skipping[-1][0] is module:  # released with the module's unit, the parameter in it now
-            skipping[-1] = (module, self.state.unit_for(module), skipping[-1][2])
+            skipping[-1] = (module, self.state.unit_for(module), *skipping[-1][2:])
 
     def _walk_forward(self, stop):
         """Plan positions from the cursor to `stop` that this rank's forward skips: each gathered (or passed in
         the window) and released as if its module had run."""
-        plan = self.plan
+        plan, grad_enabled = self.plan, torch.is_grad_enabled()
         while plan.cursor < stop:
             module = plan.order[plan.cursor]
-            self._skipped(module, plan.observe(module))
+            ran_with_grad = grad_enabled and id(module) not in plan.grad_off
+            self._skipped(module, plan.observe(module, ran_with_grad), ran_with_grad)
         self._end_skipped()
 
-    def _skipped(self, module, pos):
+    # [Note: skipped with the runner's grad mode] A skipped module is released as a rank that ran it decides, and
+    # that rank's grad mode decides whether its call has a backward: a module run with grad mode off (a frozen
+    # teacher under `torch.no_grad()`, a reentrant checkpoint's first forward) is released, neither held nor walked.
+    # The skipping rank learns of the skip at its own next fetch, where its grad mode may differ (the no_grad block
+    # over). So the exchange of a forward recorded together carries each rank's grad mode, and a walked forward takes
+    # it from the plan: the modules its forward ran with grad mode off only (`ForwardPlan.grad_off`; a module run in
+    # both modes takes the skip's).
+    def _skipped(self, module, pos, grad_enabled):
         """`module` is gathered for a forward this rank does not run (`pos`: the plan position after it), then
         released, or held for backward, or recorded for backward's walk, as its forward's end would decide on
-        a rank that ran it, so that every rank's budgets, holds and backward gathers stay the same. A module's
-        forward ends after those of the modules it calls: a skipped module's release waits for its descendants
-        skipped after it (`_end_skipped`), as the backward walk's order follows the forwards' ends."""
+        a rank that ran it (in grad mode `grad_enabled`: [Note: skipped with the runner's grad mode]), so that every
+        rank's budgets, holds and backward gathers stay the same. A module's forward ends after those of the modules
+        it calls: a skipped module's release waits for its descendants skipped after it (`_end_skipped`), as the
+        backward walk's order follows the forwards' ends."""
         self._end_skipped(module)
         self.plan.skip_last()
         if self._noting:
@@ -451,7 +463,7 @@ class Z3extCoordinator:
         below = self._descendants.get(id(module))
         if below is None:
             below = self._descendants[id(module)] = frozenset(id(m) for m in module.modules() if m is not module)
-        self._skipping.append((module, unit, below))
+        self._skipping.append((module, unit, below, grad_enabled))
 
     def _end_skipped(self, within=None, keep=False):
         """Releases the skipped modules waiting for their descendants, innermost first, down to an ancestor of
@@ -459,12 +471,12 @@ class Z3extCoordinator:
         skipping = self._skipping
         while skipping and (within is None or id(within) not in skipping[-1][2]) and not (
                 keep and skipping[-1][0] is within):
-            module, unit, _ = skipping.pop()
-            self._release_skipped(module, unit)
+            module, unit, _, grad_enabled = skipping.pop()
+            self._release_skipped(module, unit, grad_enabled)
 
-    def _release_skipped(self, module, unit):
+    def _release_skipped(self, module, unit, grad_enabled):
         engine = self.state.engine
-        if not torch.is_grad_enabled() or not self._follows_trainable(module):
+        if not grad_enabled or not self._follows_trainable(module):
             # No backward ([Note: outputs that need a gradient]): nothing held or claimed; in a generation step,
             # resident as on a rank that ran it ([Note: generation residency])
             if self._noting:

@@ -280,7 +280,7 @@ class GradReducer:
         # until the pass begins; the graph task of the last vote
         self._agreed = None
         self._voted = None
-        self._unreached = None  # (graph task, layout, what it cannot reach) read at the backward's start
+        self._unreached = None  # (graph task, layout, exact, what it cannot reach) read at the backward's start
         self._trainable_of = (None, {})  # (layout key, id(unit) -> (unit, its trainable ds_ids)) (agree_presence)
         self._agreement = state.agreement
         self._n_unreached = 0
@@ -398,8 +398,11 @@ class GradReducer:
         if agreed is not None and agreed[0] != task and not (agreed[5] is False and _nested_backward()):
             agreed = None  # (a reentrant segment's backward inside the pass the ranks voted on at its start: theirs)
         self._agreed = None
+        cached, self._unreached = self._unreached, None
+        if agreed is None and cached is not None and (cached[0] != task or cached[1] is not self.layout):
+            cached = None
         layout = self.layout
-        if agreed is None:  # (a walked pass made the layout for this task at its start)
+        if agreed is None and cached is None:  # (a walked pass, or agree_reentrant, made the layout for this task)
             key = _trainable_key(optimizer)
             if layout is None or layout.key != key:
                 layout = self.layout = _make_layout(optimizer, key, self.bucket_size, None)
@@ -407,12 +410,10 @@ class GradReducer:
         gpass = self._pass = GradPass(layout, optimizer.micro_step_id != 0)
         if agreed is not None:
             gpass.deferred, gone, gpass.exact, gpass.again, gpass.walked = agreed[1:]
+        elif cached is not None:  # read by agree_reentrant at the backward's start
+            gpass.exact, gone = cached[2:]
         else:  # (a prediction without the ranks' vote would put their reductions at different places: none)
-            cached = self._unreached
-            if cached is not None and cached[0] == task and cached[1] is layout:
-                unreached = cached[2]  # read by agree_reentrant at the backward's start
-            else:
-                unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
+            unreached = ops().unreached_in_backward(layout.params) if task != -1 else None
             gpass.exact = unreached is not None and not unreached[1] and not _nested_backward()
             gone = self._unreachable(layout, unreached, gpass.exact)[0] if gpass.exact else ()
         if gone:
@@ -549,8 +550,8 @@ class GradReducer:
         unreached = ops().unreached_in_backward(layout.params)
         exact = unreached is not None and not unreached[1] and not _nested_backward()
         gone, again = self._unreachable(layout, unreached, exact)
-        if not walked and again is None:  # no reentrant checkpoint: the pass's first gradient reads the same graph
-            self._unreached = (torch._C._current_graph_task_id(), layout, unreached)
+        if not walked and again is None:  # no reentrant checkpoint: the pass's first gradient takes what this read
+            self._unreached = (torch._C._current_graph_task_id(), layout, exact, gone if exact else ())
             return []
         units = []
         if gone:

@@ -38,6 +38,8 @@ class ForwardPlan:
         self.observed = []        # this forward's actual order
         self.skipped = []         # positions of `observed` this rank gathered for a module it did not run
         self.no_grad = []         # positions of `observed` fetched with grad mode off (a reentrant checkpoint's forward)
+        self.grad_off = frozenset()  # ids of the modules the plan's forward ran with grad mode off only ([Note: skipped
+        #                              with the runner's grad mode] in coordinator.py)
         self.members_without_grad = []  # group members that ran with grad mode off (their owner fetched them)
         self.conditional_ran = {}  # id of a declared conditional module that ran -> with grad mode on (coordinator.py)
         self.divergence: Optional[Divergence] = None  # this forward's first divergence
@@ -61,6 +63,7 @@ class ForwardPlan:
                 self.resyncs += 1
             self.order = self.observed
             self.forward_len = self.observed_forward_len
+            self.grad_off = _grad_off_only(self.observed[:self.forward_len], self.no_grad)
             self.state = PlanState.REPLAYING
             self.recording = False
         self.observed = []
@@ -120,11 +123,11 @@ class ForwardPlan:
         if span is not None and span[2] is None:
             span[2] = len(self.observed)
 
-    def observe(self, module) -> Optional[int]:
-        """Called at each forward fetch of a non-empty unit; returns the plan position after this
-        module while replaying (None while recording)."""
+    def observe(self, module, grad_enabled=None) -> Optional[int]:
+        """Called at each forward fetch of a non-empty unit (`grad_enabled`: the grad mode it ran in, where not the
+        current one); returns the plan position after this module while replaying (None while recording)."""
         self.observed.append(module)
-        if not is_grad_enabled():
+        if not (is_grad_enabled() if grad_enabled is None else grad_enabled):
             self.no_grad.append(len(self.observed) - 1)
         if self.state is PlanState.RECORDING:
             return None
@@ -139,6 +142,12 @@ class ForwardPlan:
         # parameters through the external-parameter getter (registering spurious externals).
         self.cursor = next((i + 1 for i in range(c, len(order)) if order[i] is module), len(order))
         return self.cursor
+
+
+def _grad_off_only(order, no_grad):
+    off = set(no_grad)
+    on = {id(m) for i, m in enumerate(order) if i not in off}
+    return frozenset(id(order[i]) for i in off if i < len(order) and id(order[i]) not in on)
 
 
 def _name(module):
