@@ -432,17 +432,17 @@ class Z3extCoordinator:
         plan, grad_enabled = self.plan, torch.is_grad_enabled()
         while plan.cursor < stop:
             module = plan.order[plan.cursor]
-            ran_with_grad = grad_enabled and id(module) not in plan.grad_off
+            ran_with_grad = plan.grad_modes.get(id(module), grad_enabled)
             self._skipped(module, plan.observe(module, ran_with_grad), ran_with_grad)
         self._end_skipped()
 
     # [Note: skipped with the runner's grad mode] A skipped module is released as a rank that ran it decides, and
     # that rank's grad mode decides whether its call has a backward: a module run with grad mode off (a frozen
     # teacher under `torch.no_grad()`, a reentrant checkpoint's first forward) is released, neither held nor walked.
-    # The skipping rank learns of the skip at its own next fetch, where its grad mode may differ (the no_grad block
-    # over). So the exchange of a forward recorded together carries each rank's grad mode, and a walked forward takes
-    # it from the plan: the modules its forward ran with grad mode off only (`ForwardPlan.grad_off`; a module run in
-    # both modes takes the skip's).
+    # The skipping rank learns of the skip at its own next fetch, where its grad mode may differ (a no_grad block over,
+    # or begun: the next module it runs is the teacher). So the exchange of a forward recorded together carries each
+    # rank's grad mode, and a walked forward takes it from the plan: the mode its recorded forward ran the module in
+    # (`ForwardPlan.grad_modes`; a module run in both modes, or not recorded, takes the mode of the skip).
     def _skipped(self, module, pos, grad_enabled):
         """`module` is gathered for a forward this rank does not run (`pos`: the plan position after it), then
         released, or held for backward, or recorded for backward's walk, as its forward's end would decide on

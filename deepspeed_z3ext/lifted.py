@@ -183,8 +183,14 @@ class LiftedHooks:
                 attrs["forward"] = forward
             if id(m) not in hooks:
                 continue  # removed meanwhile (DeepSpeed re-registering or destroying hooks)
-            _put_first(pres, pre, pre_fn)
-            _put_first(posts, post, post_fn)
+            if pres:  # (_put_first, its usual case inline: once per member and forward)
+                _put_first(pres, pre, pre_fn)
+            else:
+                pres[pre] = pre_fn
+            if posts:
+                _put_first(posts, post, post_fn)
+            else:
+                posts[post] = post_fn
             always[post] = True
 
     def _liftable(self, group):

@@ -38,8 +38,8 @@ class ForwardPlan:
         self.observed = []        # this forward's actual order
         self.skipped = []         # positions of `observed` this rank gathered for a module it did not run
         self.no_grad = []         # positions of `observed` fetched with grad mode off (a reentrant checkpoint's forward)
-        self.grad_off = frozenset()  # ids of the modules the plan's forward ran with grad mode off only ([Note: skipped
-        #                              with the runner's grad mode] in coordinator.py)
+        self.grad_modes = {}      # id(module) -> the grad mode the plan's forward ran it in, where it ran in one only
+        #                           ([Note: skipped with the runner's grad mode] in coordinator.py)
         self.members_without_grad = []  # group members that ran with grad mode off (their owner fetched them)
         self.conditional_ran = {}  # id of a declared conditional module that ran -> with grad mode on (coordinator.py)
         self.divergence: Optional[Divergence] = None  # this forward's first divergence
@@ -63,7 +63,7 @@ class ForwardPlan:
                 self.resyncs += 1
             self.order = self.observed
             self.forward_len = self.observed_forward_len
-            self.grad_off = _grad_off_only(self.observed[:self.forward_len], self.no_grad)
+            self.grad_modes = _grad_modes(self.observed[:self.forward_len], self.no_grad)
             self.state = PlanState.REPLAYING
             self.recording = False
         self.observed = []
@@ -144,10 +144,12 @@ class ForwardPlan:
         return self.cursor
 
 
-def _grad_off_only(order, no_grad):
-    off = set(no_grad)
-    on = {id(m) for i, m in enumerate(order) if i not in off}
-    return frozenset(id(order[i]) for i in off if i < len(order) and id(order[i]) not in on)
+def _grad_modes(order, no_grad):
+    off, modes = set(no_grad), {}
+    for i, m in enumerate(order):
+        mode = i not in off
+        modes[id(m)] = mode if modes.get(id(m), mode) == mode else None
+    return {k: v for k, v in modes.items() if v is not None}
 
 
 def _name(module):

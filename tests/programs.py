@@ -64,6 +64,12 @@ def unused_rng(seed):
     return random.Random(f"unused {seed}")
 
 
+def teacher_rng(seed):
+    """The stream the frozen teacher is drawn from (a module run under `torch.no_grad()` inside the training forward,
+    only at some micro-steps or on some ranks), apart from the others so every seed's other draws stay as they were."""
+    return random.Random(f"teacher {seed}")
+
+
 def nonuniform_rng(seed):
     """The stream the non-uniform parts are drawn from (an MoE block whose routing differs by rank and step,
     a layer some micro-steps skip), apart from the others so every seed's other draws stay as they were."""
@@ -100,13 +106,16 @@ class Program(NamedTuple):
     unused: Optional[Tuple[int, bool]] = None  # (period, per rank): an aux head runs on every rank; its output is
     # in the loss only when (micro-step + (rank if per rank else 0)) % period == 0 (nothing declared in z3ext; stock
     # adds it times 0.0 elsewhere): the parameters that get a gradient differ by rank and micro-step
+    teacher: Optional[Tuple[int, int, bool]] = None  # (layer position, period, per rank): a frozen module run under
+    # no_grad after that position's layer when (micro-step + (rank if per rank else 0)) % period == 0, its output
+    # added (stock runs it on every rank and drops the output elsewhere: the same bits)
 
     def describe(self):
         return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
                 f"ga={self.ga} steps={self.steps} clip={self.clip} bucket={self.bucket} hold={self.hold} "
                 f"live={self.live} prefetch={self.prefetch} persistence={self.persistence} mel={self.mel} "
                 f"bf16={self.bf16} events={[tuple(e) for e in self.events]} moe={self.moe} sometimes={self.sometimes} undeclared={self.undeclared} "
-                f"unused={self.unused}")
+                f"unused={self.unused} teacher={self.teacher}")
 
 
 def draw(seed) -> Program:
@@ -149,7 +158,12 @@ def draw(seed) -> Program:
         sometimes = (layer, period, per_rank)
     extra = unused_rng(seed)
     unused = (extra.choice((2, 3)), extra.random() < 0.7) if extra.random() < 0.3 else None
-    program = Program(moe=moe, sometimes=sometimes, unused=unused,
+    t = teacher_rng(seed)
+    teacher = (t.randrange(n), t.choice((2, 3)), t.random() < 0.7) if t.random() < 0.25 else None
+    if teacher is not None and teacher[2] and checkpoint is not None and checkpoint[2] and \
+            checkpoint[0] <= teacher[0] < checkpoint[1]:
+        teacher = None  # skipped per rank inside a reentrant segment: its recomputation is not walked (below)
+    program = Program(moe=moe, sometimes=sometimes, unused=unused, teacher=teacher,
         seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),
         hold=r.random() < 0.7, live=r.choice((None, None, 100, 400)), prefetch=r.choice((None, 0, 200)),
@@ -295,8 +309,24 @@ def _model(program):
             self.dummy_aux = False
             self.sometimes_layer = (self.order[program.sometimes[0] % len(self.order)]
                                     if program.sometimes is not None else None)
+            self.teacher = nn.Linear(HIDDEN, HIDDEN) if program.teacher is not None else None
+            if self.teacher is not None:
+                self.teacher.requires_grad_(False)
+            self.dummy_teacher = False  # stock: the teacher runs at every micro-step, its output dropped where skipped
 
         def layer(self, i, x):
+            x = self._layer(i, x)
+            if self.teacher is not None and i == program.teacher[0]:
+                _, period, per_rank = program.teacher
+                runs = (self.micro + (self.rank if per_rank else 0)) % period == 0
+                if runs or self.dummy_teacher:
+                    with torch.no_grad():
+                        t = self.teacher(x)
+                    if runs:
+                        x = x + 0.5 * t
+            return x
+
+        def _layer(self, i, x):
             # Also in no_grad forwards (eval): undeclared, those are walked too ([Note: forwards that differ by rank])
             if program.sometimes is not None and self.order[i] == self.sometimes_layer:
                 layer, period, per_rank = program.sometimes
@@ -379,6 +409,7 @@ def _run(program, z3ext, rank, cfg):
     model.rank = rank
     model.dummy = not z3ext and program.sometimes is not None and program.sometimes[2]
     model.dummy_aux = not z3ext  # [Note: fixed gradient layout] in grads.py: z3ext needs nothing
+    model.dummy_teacher = not z3ext  # [Note: skipped with the runner's grad mode] in coordinator.py
     if model.moe is not None and not z3ext:
         # Stock's way to train it: the block marked by hand (z3ext finds it: [Note: conditional blocks]).
         deepspeed.utils.set_z3_leaf_modules(model, [type(model.moe)])
