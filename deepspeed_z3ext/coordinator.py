@@ -125,7 +125,7 @@ class Z3extCoordinator:
         self._recording_together = False
         self._walking = False
         self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
-        self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released once its descendants are
+        self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released after its descendants
         self._descendants = {}  # id(module) -> ids of the modules below it, for `_skipping`
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above

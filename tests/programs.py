@@ -9,7 +9,9 @@ hold on/off, live budget, prefetch window, persistence threshold, DeepSpeed's me
 non-uniform parts from a third stream (`nonuniform_rng(seed)`): a mixture-of-experts block with one module per
 expert (top-1 routing: the experts run differ by rank and step; stock runs it as a z3 leaf marked by hand),
 and a layer that only some micro-steps run, on every rank alike or on some ranks only (z3ext names it in
-`conditional_modules`; stock runs it with weight 0 where it is skipped, a dummy pass);
+`conditional_modules`; stock runs it with weight 0 where it is skipped, a dummy pass); from streams of their own, an
+aux head whose output only some ranks or micro-steps put in the loss, and a frozen teacher that only some ranks or
+micro-steps run under `no_grad` (stock runs it everywhere and drops the output);
 and a schedule of optimizer steps with events between them: freeze parameters, unfreeze them, a `no_grad`
 evaluation forward, a grad-enabled forward whose graph is dropped, and a backward that raises part-way
 and is retried.
@@ -107,8 +109,8 @@ class Program(NamedTuple):
     # in the loss only when (micro-step + (rank if per rank else 0)) % period == 0 (nothing declared in z3ext; stock
     # adds it times 0.0 elsewhere): the parameters that get a gradient differ by rank and micro-step
     teacher: Optional[Tuple[int, int, bool]] = None  # (layer position, period, per rank): a frozen module run under
-    # no_grad after that position's layer when (micro-step + (rank if per rank else 0)) % period == 0, its output
-    # added (stock runs it on every rank and drops the output elsewhere: the same bits)
+    # no_grad after that position's layer in training forwards when (micro-step + (rank if per rank else 0)) %
+    # period == 0, its output added (stock runs it on every rank and drops the output elsewhere: the same bits)
 
     def describe(self):
         return (f"seed {self.seed}: layers={','.join(self.layers)} tied={self.tied} checkpoint={self.checkpoint} "
@@ -316,7 +318,9 @@ def _model(program):
 
         def layer(self, i, x):
             x = self._layer(i, x)
-            if self.teacher is not None and i == program.teacher[0]:
+            if self.teacher is not None and i == program.teacher[0] and torch.is_grad_enabled():
+                # (training forwards only: a no_grad plan recorded where no rank ran it would not have it, and a
+                # module off the plan on some ranks only raises, named: [Note: forwards that differ by rank])
                 _, period, per_rank = program.teacher
                 runs = (self.micro + (self.rank if per_rank else 0)) % period == 0
                 if runs or self.dummy_teacher:

@@ -48,6 +48,10 @@ REGRESSIONS = {
     # twice, summed before the reduction (stock reduces the second as new: the reference is stock with the segment
     # not reentrant, tests/programs.py `compare`).
     "reentrant-layer-inside-and-outside": Program(seed=1039, layers=('addmm', 'repeat', 'linear'), tied=False, checkpoint=(1, 2, True), ga=1, steps=4, clip=0.0, bucket=40, hold=False, live=None, prefetch=200, persistence=0, mel=False, bf16=False, events=(Event(before_step=0, kind='kept0', arg=6), Event(before_step=1, kind='freeze', arg=51), Event(before_step=1, kind='unfreeze', arg=383), Event(before_step=2, kind='dropped', arg=0), Event(before_step=3, kind='freeze', arg=448)), moe=0, sometimes=None, undeclared=False, unused=None),
+    # A frozen teacher run under no_grad on some ranks: the skipping rank learned of the skip at its next fetch, with
+    # the grad mode of that fetch, and walked the skipped module in backward where the rank that ran it did not
+    # ([Note: skipped with the runner's grad mode] in coordinator.py). The ranks' votes differed in size (named).
+    "teacher-skipped-per-rank": Program(seed=1015, layers=('bmm', 'conv'), tied=False, checkpoint=None, ga=1, steps=6, clip=0.0, bucket=None, hold=False, live=None, prefetch=0, persistence=0, mel=True, bf16=False, events=(Event(before_step=1, kind='freeze', arg=603), Event(before_step=2, kind='freeze', arg=928), Event(before_step=2, kind='kept0', arg=12), Event(before_step=4, kind='freeze', arg=920), Event(before_step=4, kind='dropped', arg=0)), moe=None, sometimes=None, undeclared=False, unused=None, teacher=(0, 2, True)),
 }
 
 
@@ -82,6 +86,7 @@ def test_drawn_programs_bitwise_equal_to_stock():
     assert any(p.unused is not None and p.unused[1] for p in drawn)  # gradients present on some ranks only
     assert any(p.unused is not None and p.unused[1] and not p.hold for p in drawn)  # ... and gathered again in backward
     assert any(p.undeclared for p in drawn)  # a layer some ranks skip in forward, nothing declared
+    assert any(p.teacher is not None and p.teacher[2] for p in drawn)  # a module some ranks run without grad
 
 
 # Per-rank gradient presence (a declared layer some ranks run) in a model with a reentrant-checkpointed segment,
