@@ -547,6 +547,20 @@ class Z3extCoordinator:
                     else:
                         self._claim_recomputed(sub_module, unit, args, outputs)
                 return
+        phase = forward_phase()
+        outermost = not running and phase is Phase.FORWARD
+        if outermost and not raised:
+            # The positions this rank skipped are passed before the outermost module's own release: a module's
+            # forward ends after those of the modules it calls, and the backward walk's order follows the forwards'
+            # ends. A root with parameters of its own (a position table, a declared conditional module's, an
+            # external) was a walk position before them on a rank that skipped the last modules, after them on the
+            # others ([Note: forwards that differ by rank]).
+            plan = self.plan
+            if self._recording_together:
+                self._record_together(_END)
+            elif self._walking and plan.divergence is None and plan.forward_len is not None and \
+                    plan.cursor < plan.forward_len:
+                self._walk_forward(plan.forward_len)  # (not after a module off the plan: another kind of forward)
         if self.plan.recording:
             self.plan.leave(sub_module)
         group = state.groups.get(id(sub_module)) if state.groups else None
@@ -556,7 +570,6 @@ class Z3extCoordinator:
         else:
             group = None
             unit = state.unit_for(sub_module)  # checked: an external discovered in this forward joins
-        phase = forward_phase()
         if len(unit):
             if not grad_enabled or raised or not (_needs_grad(outputs) or (
                     (self._walking or self._recording_together) and phase is Phase.FORWARD and
@@ -573,13 +586,8 @@ class Z3extCoordinator:
             else:
                 self._hold_or_claim(sub_module, unit, args, outputs)
                 state.engine.reshard(unit, self._fwd, sub_module.ds_id, also_direct=True)
-        if not self.running and phase is Phase.FORWARD:
+        if outermost:
             plan = self.plan
-            if self._recording_together and not raised:
-                self._record_together(_END)  # [Note: forwards that differ by rank]
-            elif self._walking and not raised and plan.divergence is None and plan.forward_len is not None and \
-                    plan.cursor < plan.forward_len:
-                self._walk_forward(plan.forward_len)  # (not after a module off the plan: another kind of forward)
             plan.end_forward()
             nodes = _grad_nodes(outputs) if not raised else ()
             self.backward_claims.seal(nodes)

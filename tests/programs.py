@@ -166,11 +166,6 @@ def draw(seed) -> Program:
         # Run per rank with grad mode off inside a checkpointed segment: the ranks that ran it gather it again for
         # the recomputation, the others do not (recomputations are not walked; seed 1236 raises a named error).
         teacher = None
-    if teacher is not None and teacher[2] and sometimes is not None and sometimes[2]:
-        # With a declared layer some ranks skip: the ranks that run the teacher record the first forward behind the
-        # others, and the declared layer's parameters, discovered as the root's, are gathered again in backward on
-        # the ranks that ran it only (seed 1190 raises a named error).
-        teacher = None
     program = Program(moe=moe, sometimes=sometimes, unused=unused, teacher=teacher,
         seed=seed, layers=layers, tied=r.random() < 0.5, checkpoint=checkpoint, ga=r.choice((1, 1, 2, 3)),
         steps=steps, clip=r.choice((0.0, 0.0, 1e-3, 1e6)), bucket=r.choice((None, None, 40, 100, 300)),

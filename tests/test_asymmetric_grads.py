@@ -387,6 +387,67 @@ def test_a_module_run_without_grad_by_some_ranks_trains_to_stocks_numbers(hold, 
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
+def root_parameter_and_last_module_by_rank(hold, steps=4):
+    """A root with a parameter of its own (a position table: the root's unit is not empty) and a last module, an aux
+    head, that only some ranks run (alternating by step). The reference: stock with the aux head run on every rank,
+    its loss times 0.0 where z3ext's rank skips it (DDP's numbers). `hold` off: every unit is gathered again in
+    backward, the walk's positions must be the same on every rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from tests.models import build_engine, ds_config, full_params
+
+    class WithAux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.pos = nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.1)
+            self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+            self.head = nn.Linear(HIDDEN, VOCAB)
+            self.aux = nn.Linear(HIDDEN, 1)
+            self.skip, self.dummy = False, False
+
+        def forward(self, tokens):
+            h = self.embed(tokens) + self.pos
+            for layer in self.layers:
+                h = h + torch.tanh(layer(h))
+            loss = F.cross_entropy(self.head(h).flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+            if not self.skip or self.dummy:
+                loss = loss + self.aux(h).float().pow(2).mean() * (0.0 if self.skip else 1.0)
+            return loss
+
+    rank, out = dist.get_rank(), {}
+    for name in ("reference", "z3ext"):
+        cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1)
+        if name == "z3ext":
+            cfg["z3ext"] = {"enabled": True, "hold_for_backward": hold}
+        engine = build_engine(cfg, model_fn=WithAux, seed=7)
+        model, losses = engine.module, []
+        model.dummy = name == "reference"
+        for i in range(steps):
+            model.skip = (i + rank) % 2 == 1
+            loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = dict(losses=losses, params=full_params(engine))
+        engine.destroy()
+    ref = out["reference"]
+    return dict(losses=out["z3ext"]["losses"] == ref["losses"],
+                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
+
+
+@pytest.mark.parametrize("hold,world", [(False, 2), (True, 2), (False, 4)])
+def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_numbers(hold, world):
+    """The ranks that skip the last module pass its position at the outermost forward's end: after the root's own
+    release, the root's unit was a walk position before the skipped one on those ranks and after it on the others,
+    and the backward's gathers differed (`ScheduleMismatchError` naming the root's parameter)."""
+    for rank, r in enumerate(run_on_ranks(root_parameter_and_last_module_by_rank, world_size=world, timeout=TIMEOUT,
+                                          hold=hold)):
+        assert r["losses"] and not r["mismatched"], (rank, r)
+
+
 def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lora=False, no_grad=False):
     """A tiny BART built from its config (transformers' LayerDrop really skips a layer, also under ZeRO-3), each
     rank drawing its own layers, trained with the layers declared in `conditional_modules` (each layer gathered

@@ -52,6 +52,11 @@ REGRESSIONS = {
     # the grad mode of that fetch, and walked the skipped module in backward where the rank that ran it did not
     # ([Note: skipped with the runner's grad mode] in coordinator.py). The ranks' votes differed in size (named).
     "teacher-skipped-per-rank": Program(seed=1015, layers=('bmm', 'conv'), tied=False, checkpoint=None, ga=1, steps=6, clip=0.0, bucket=None, hold=False, live=None, prefetch=0, persistence=0, mel=True, bf16=False, events=(Event(before_step=1, kind='freeze', arg=603), Event(before_step=2, kind='freeze', arg=928), Event(before_step=2, kind='kept0', arg=12), Event(before_step=4, kind='freeze', arg=920), Event(before_step=4, kind='dropped', arg=0)), moe=None, sometimes=None, undeclared=False, unused=None, teacher=(0, 2, True)),
+    # The teacher run early by some ranks, which record the first forward behind the others, and a declared layer some
+    # ranks skip, whose parameters (discovered as the root's) give the root a unit of its own: the ranks that had
+    # passed their last positions after the root's release gathered the root again at another step of the backward
+    # walk (named). The outermost forward's end now passes them first.
+    "teacher-behind-root-unit": Program(seed=1190, layers=('lora', 'lora', 'lora', 'linear', 'linear'), tied=True, checkpoint=None, ga=1, steps=5, clip=1000000.0, bucket=None, hold=False, live=None, prefetch=200, persistence=0, mel=True, bf16=False, events=(Event(before_step=0, kind='kept0', arg=1), Event(before_step=1, kind='eval', arg=0), Event(before_step=1, kind='dropped', arg=0), Event(before_step=3, kind='freeze', arg=731), Event(before_step=4, kind='freeze', arg=798)), moe=None, sometimes=(4, 2, True), undeclared=False, unused=(2, True), teacher=(0, 3, True)),
 }
 
 
