@@ -20,11 +20,12 @@ all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on by defa
   it skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
   end passes what is left of the forward's positions, unless the forward left the plan (a module off it: another
   kind of forward, such as a submodule called on its own, which adopts its own plan as before).
-- A skipped module is released as its own forward's end would decide on a rank that ran it: held for backward
-  within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward walk] in window.py), so
-  that budgets, holds and backward gathers stay the same on every rank ([Note: outputs that need a gradient]); in
-  a no_grad forward released, or kept resident in a generation step ([Note: generation residency] in
-  resident_set.py), so that every rank keeps the same units.
+- A skipped module is released as its own forward's end would decide on a rank that ran it (in that rank's grad
+  mode: [Note: skipped with the runner's grad mode]; the outermost module's release after the positions skipped
+  last): held for backward within the same budgets (`_holds`), or recorded for the backward walk ([Note: backward
+  walk] in window.py), so that budgets, holds and backward gathers stay the same on every rank ([Note: outputs
+  that need a gradient]); in a no_grad forward released, or kept resident in a generation step ([Note: generation
+  residency] in resident_set.py), so that every rank keeps the same units.
 [Note: outputs that need a gradient] A module's call needs its backward when an output needs a gradient: its
 unit is trainable, or its input needs one. The second differs by rank where ranks skip different modules (a
 LoRA layer's frozen base, fed by an earlier adapter that one rank dropped), and a skipping rank cannot see it.
