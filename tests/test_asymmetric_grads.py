@@ -377,13 +377,13 @@ def frozen_teacher_by_rank(hold, steps=4):
                 mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
 
 
-@pytest.mark.parametrize("hold,world", [(False, 2), (True, 2), (False, 4)])
-def test_a_module_run_without_grad_by_some_ranks_trains_to_stocks_numbers(hold, world):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_module_run_without_grad_by_some_ranks_trains_to_stocks_numbers(world):
     """[Note: skipped with the runner's grad mode] in coordinator.py: a rank that skips the frozen module learns of
     it at its next fetch, after the no_grad block; released there as a call with a backward, it became a position
     of the backward walk on that rank only, and the ranks' votes at the backward's start differed in size
-    (`ScheduleMismatchError`)."""
-    for rank, r in enumerate(run_on_ranks(frozen_teacher_by_rank, world_size=world, timeout=TIMEOUT, hold=hold)):
+    (`ScheduleMismatchError`). Hold off: every unit is gathered again in backward (held, it passed before)."""
+    for rank, r in enumerate(run_on_ranks(frozen_teacher_by_rank, world_size=world, timeout=TIMEOUT, hold=False)):
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
@@ -438,13 +438,13 @@ def root_parameter_and_last_module_by_rank(hold, steps=4):
                 mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
 
 
-@pytest.mark.parametrize("hold,world", [(False, 2), (True, 2), (False, 4)])
-def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_numbers(hold, world):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_numbers(world):
     """The ranks that skip the last module pass its position at the outermost forward's end: after the root's own
     release, the root's unit was a walk position before the skipped one on those ranks and after it on the others,
     and the backward's gathers differed (`ScheduleMismatchError` naming the root's parameter)."""
     for rank, r in enumerate(run_on_ranks(root_parameter_and_last_module_by_rank, world_size=world, timeout=TIMEOUT,
-                                          hold=hold)):
+                                          hold=False)):
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
