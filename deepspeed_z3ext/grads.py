@@ -300,7 +300,7 @@ class GradReducer:
         self._fused_sub_group = None  # the sub-group whose step gradient the unscale already scaled ([Note: fused unscale])
         self._n_norms = 0
         self._n_reduce_scatters = 0
-        self._bucket_digests = {}  # id(bucket) -> (bucket, its reduce-scatters' digests) ([Note: schedule fingerprint])
+        self._bucket_flushes = {}  # id(bucket) -> _BucketFlush: what its flushes share, made once
         self._n_direct = 0
         self._n_divided = 0
         self._n_writes = 0
@@ -636,7 +636,8 @@ class GradReducer:
         group = group_of(params[0])
         world = torch.distributed.get_world_size(group)
         rank = torch.distributed.get_rank(group)
-        averaging = optimizer._gradient_averaging_world_size(params, world)
+        shared = self._bucket_flush(params, world, optimizer)
+        averaging = shared.averaging
         scale = world / float(averaging) if averaging != world else 0.0
         accumulate = gpass.accumulate
         reduce_scatter = ops().reduce_scatter_grads
@@ -647,7 +648,7 @@ class GradReducer:
         if state is not None and world > 1:
             collective = _recorded(collective, state.agreement, group)
             note = state.engine.note_reduce_scatter  # [Note: schedule fingerprint] in csrc/schedule.h
-            digests = self._digests(params, world)
+            digests = shared.digests
         reduced = 0
         if self._on_device:
             stream = optimizer.reduce_and_partition_stream
@@ -657,7 +658,7 @@ class GradReducer:
                 self._events.popleft().synchronize()
             stream.wait_stream(get_accelerator().current_stream())
         with get_accelerator().stream(stream) if self._on_device else contextlib.nullcontext():
-            for i, part in enumerate(_slices(params, self.slice_numel, world)):  # [Note: flush slices]
+            for i, part in enumerate(shared.slices):  # [Note: flush slices]
                 grads = [zeros[p.ds_id] if p.ds_id in zeros else p.grad for p in part]
                 if len(part) == 1 and part[0].ds_id in zeros:  # [Note: shared zeros]: a slice by itself
                     grads = [torch.zeros_like(grads[0])]
@@ -688,14 +689,18 @@ class GradReducer:
         self._n_accumulating += accumulate
         self._host_s += time.perf_counter() - t0
 
-    def _digests(self, bucket, world):
-        """The (digest, first ds_id) of each reduce-scatter of `bucket` (a list of the layout's), computed once."""
-        cached = self._bucket_digests.get(id(bucket))
-        if cached is None or cached[0] is not bucket:
+    def _bucket_flush(self, bucket, world, optimizer):
+        """What every flush of `bucket` (a list of the layout's) shares, made at its first: its slices, their
+        reduce-scatters' digests, DeepSpeed's averaging world size for its parameters (their attributes, read once
+        instead of once per parameter and flush)."""
+        cached = self._bucket_flushes.get(id(bucket))
+        if cached is None or cached.bucket is not bucket or cached.world != world:
+            slices = list(_slices(bucket, self.slice_numel, world))
             digest = ops().reduce_scatter_digest
-            cached = self._bucket_digests[id(bucket)] = (bucket, [
-                digest([(p.ds_id, p.ds_numel) for p in part]) for part in _slices(bucket, self.slice_numel, world)])
-        return cached[1]
+            cached = self._bucket_flushes[id(bucket)] = _BucketFlush(
+                bucket, world, slices, [digest([(p.ds_id, p.ds_numel) for p in part]) for part in slices],
+                optimizer._gradient_averaging_world_size(bucket, world))
+        return cached
 
     def free_partitions(self):
         """The step is over ([Note: gradient partitions between steps])."""
@@ -930,6 +935,14 @@ def _make_layout(optimizer, key, bucket_size, order) -> GradLayout:
     buckets = tuple(sorted(b, key=lambda p: p.ds_id) for b in buckets)  # the same layout on every rank
     bucket_of = {p.ds_id: i for i, b in enumerate(buckets) for p in b}
     return GradLayout(buckets, bucket_of, [p for b in buckets for p in b], key)
+
+
+class _BucketFlush(NamedTuple):
+    bucket: list     # the layout's bucket (identity: a new layout makes new ones)
+    world: int
+    slices: list     # [Note: flush slices]
+    digests: list    # (digest, first ds_id) of each slice's reduce-scatter ([Note: schedule fingerprint])
+    averaging: int   # DeepSpeed's gradient averaging world size (`_gradient_averaging_world_size`)
 
 
 def _slices(params, limit, world):
