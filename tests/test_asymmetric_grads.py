@@ -324,16 +324,40 @@ def test_no_grad_forwards_that_run_different_modules_by_rank_give_stocks_values(
         assert r["values"] and not r["mismatched"] and r["fast"] == 2, (rank, r)
 
 
-def frozen_teacher_by_rank(hold, steps=4):
+def _against_the_reference(model_fn, per_step, steps=4):
+    """Trains `model_fn` on the reference (stock ZeRO-3) and on z3ext with `hold_for_backward` off (every unit
+    gathered again in backward: the walk's positions must be the same on every rank), `per_step(model, reference,
+    i, rank)` setting what the step's forward runs; whether the losses and the final parameters are bitwise equal."""
+    import torch
+    import torch.distributed as dist
+    from tests.models import build_engine, ds_config, full_params
+    rank, out = dist.get_rank(), {}
+    for name in ("reference", "z3ext"):
+        cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1)
+        if name == "z3ext":
+            cfg["z3ext"] = {"enabled": True, "hold_for_backward": False}
+        engine = build_engine(cfg, model_fn=model_fn, seed=7)
+        losses = []
+        for i in range(steps):
+            per_step(engine.module, name == "reference", i, rank)
+            loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out[name] = dict(losses=losses, params=full_params(engine))
+        engine.destroy()
+    ref = out["reference"]
+    return dict(losses=out["z3ext"]["losses"] == ref["losses"],
+                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
+
+
+def frozen_teacher_by_rank():
     """A frozen module run under `torch.no_grad()` inside a training forward by some ranks only (a teacher's
     logits on some ranks' batches), between trainable layers; which ranks run it alternates by step, so the first
     forward (recorded together) and the walked ones both skip it. The reference: stock with every rank running
-    it, the output unused where z3ext's rank skips it (the same bits). `hold`: off, every unit is gathered again in
-    backward, and the walk's positions must be the same on every rank."""
+    it, the output unused where z3ext's rank skips it (the same bits)."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
-    from tests.models import build_engine, ds_config, full_params
 
     class Distilled(nn.Module):
         def __init__(self):
@@ -355,26 +379,12 @@ def frozen_teacher_by_rank(hold, steps=4):
                     h = h + 0.1 * t
             return self.head(torch.tanh(self.last(h))).float().pow(2).mean()
 
-    rank, out = dist.get_rank(), {}
-    for name in ("reference", "z3ext"):
-        cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1)
-        if name == "z3ext":
-            cfg["z3ext"] = {"enabled": True, "hold_for_backward": hold}
-        engine = build_engine(cfg, model_fn=Distilled, seed=7)
-        model, losses = engine.module, []
-        for i in range(steps):
-            skip = (i + rank) % 2 == 1
-            model.use_teacher = not skip
-            model.run_teacher = not skip or name == "reference"
-            loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank)))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        out[name] = dict(losses=losses, params=full_params(engine))
-        engine.destroy()
-    ref = out["reference"]
-    return dict(losses=out["z3ext"]["losses"] == ref["losses"],
-                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
+    def per_step(model, reference, i, rank):
+        skip = (i + rank) % 2 == 1
+        model.use_teacher = not skip
+        model.run_teacher = not skip or reference
+
+    return _against_the_reference(Distilled, per_step)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -382,21 +392,18 @@ def test_a_module_run_without_grad_by_some_ranks_trains_to_stocks_numbers(world)
     """[Note: skipped with the runner's grad mode] in coordinator.py: a rank that skips the frozen module learns of
     it at its next fetch, after the no_grad block; released there as a call with a backward, it became a position
     of the backward walk on that rank only, and the ranks' votes at the backward's start differed in size
-    (`ScheduleMismatchError`). Hold off: every unit is gathered again in backward (held, it passed before)."""
-    for rank, r in enumerate(run_on_ranks(frozen_teacher_by_rank, world_size=world, timeout=TIMEOUT, hold=False)):
+    (`ScheduleMismatchError`; with the units held, it passed before)."""
+    for rank, r in enumerate(run_on_ranks(frozen_teacher_by_rank, world_size=world, timeout=TIMEOUT)):
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
-def root_parameter_and_last_module_by_rank(hold, steps=4):
+def root_parameter_and_last_module_by_rank():
     """A root with a parameter of its own (a position table: the root's unit is not empty) and a last module, an aux
     head, that only some ranks run (alternating by step). The reference: stock with the aux head run on every rank,
-    its loss times 0.0 where z3ext's rank skips it (DDP's numbers). `hold` off: every unit is gathered again in
-    backward, the walk's positions must be the same on every rank."""
+    its loss times 0.0 where z3ext's rank skips it (DDP's numbers)."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from tests.models import build_engine, ds_config, full_params
 
     class WithAux(nn.Module):
         def __init__(self):
@@ -417,25 +424,10 @@ def root_parameter_and_last_module_by_rank(hold, steps=4):
                 loss = loss + self.aux(h).float().pow(2).mean() * (0.0 if self.skip else 1.0)
             return loss
 
-    rank, out = dist.get_rank(), {}
-    for name in ("reference", "z3ext"):
-        cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1)
-        if name == "z3ext":
-            cfg["z3ext"] = {"enabled": True, "hold_for_backward": hold}
-        engine = build_engine(cfg, model_fn=WithAux, seed=7)
-        model, losses = engine.module, []
-        model.dummy = name == "reference"
-        for i in range(steps):
-            model.skip = (i + rank) % 2 == 1
-            loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank)))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        out[name] = dict(losses=losses, params=full_params(engine))
-        engine.destroy()
-    ref = out["reference"]
-    return dict(losses=out["z3ext"]["losses"] == ref["losses"],
-                mismatched=_mismatched(ref["params"], out["z3ext"]["params"]))
+    def per_step(model, reference, i, rank):
+        model.skip, model.dummy = (i + rank) % 2 == 1, reference
+
+    return _against_the_reference(WithAux, per_step)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -443,8 +435,7 @@ def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_
     """The ranks that skip the last module pass its position at the outermost forward's end: after the root's own
     release, the root's unit was a walk position before the skipped one on those ranks and after it on the others,
     and the backward's gathers differed (`ScheduleMismatchError` naming the root's parameter)."""
-    for rank, r in enumerate(run_on_ranks(root_parameter_and_last_module_by_rank, world_size=world, timeout=TIMEOUT,
-                                          hold=False)):
+    for rank, r in enumerate(run_on_ranks(root_parameter_and_last_module_by_rank, world_size=world, timeout=TIMEOUT)):
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
