@@ -162,8 +162,8 @@ def draw(seed) -> Program:
     unused = (extra.choice((2, 3)), extra.random() < 0.7) if extra.random() < 0.3 else None
     t = teacher_rng(seed)
     teacher = (t.randrange(n), t.choice((2, 3)), t.random() < 0.7) if t.random() < 0.25 else None
-    if teacher is not None and teacher[2] and sometimes is not None and sometimes[2] and sometimes[0] == teacher[0]:
-        teacher = None  # after a layer some ranks skip: stock itself aborts there (gloo, seed 1093), nothing to compare
+    if teacher is not None and teacher[2] and sometimes is not None and sometimes[2]:
+        teacher = None  # beside a layer some ranks skip, stock itself may abort (gloo: seeds 1093, 1338): no reference
     if teacher is not None and teacher[2] and checkpoint is not None and checkpoint[0] <= teacher[0] < checkpoint[1]:
         # Run per rank with grad mode off inside a checkpointed segment: the ranks that ran it gather it again for
         # the recomputation, the others do not (recomputations are not walked; seed 1236 raises a named error).
