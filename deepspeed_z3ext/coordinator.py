@@ -126,7 +126,7 @@ class Z3extCoordinator:
         self._recording_together = False
         self._walking = False
         self._by_ds_id = None  # ds_id -> module, made at the first forward recorded together
-        self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released after its descendants
+        self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released after those
         self._descendants = {}  # id(module) -> ids of the modules below it, for `_skipping`
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
@@ -379,8 +379,9 @@ class Z3extCoordinator:
     def _record_together(self, ds_id, param_id=-1):
         """Before this rank's fetch of module `ds_id` (`_END`: this rank's forward is over; with `param_id`: its
         discovery of that parameter as an external of the module) in a forward recorded together: the ranks
-        exchange what each does next; the smallest (ds_id, parameter) asked for is served (the ranks that asked
-        for another gather it as a skipped module, or as that module's new external) until this rank's own is."""
+        exchange what each does next, and in which grad mode ([Note: skipped with the runner's grad mode]); the
+        smallest (ds_id, parameter) asked for is served (the ranks that asked for another gather it as a skipped
+        module, or as that module's new external) until this rank's own is."""
         agreement, plan = self.state.agreement, self.plan
         mine = (ds_id, param_id)
         grad_enabled = int(torch.is_grad_enabled())
