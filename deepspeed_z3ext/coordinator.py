@@ -38,7 +38,7 @@ gradient on this rank is held or walked for nothing (a LoRA model's first frozen
 first adapter): memory or a gather, never a schedule that differs.
 The gradients need nothing more ([Note: fixed gradient layout], [Note: presence agreed] in grads.py). Not covered:
 a module off the plan on some ranks only (never run while recording, and no sibling to copy), which the ranks'
-collectives name (gloo) or the step's check (NCCL); forwards inside backward (recomputation) are not walked.
+collectives name ([Note: a module off the plan]); forwards inside backward (recomputation) are not walked.
 """
 import collections
 import contextlib
@@ -131,6 +131,16 @@ class Z3extCoordinator:
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
         self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
         self._param_by_ds_id = None
+        # [Note: a module off the plan]: the collectives' errors name it (a weak reference: the state outlives this)
+        me_ = weakref.ref(self)
+
+        def unplanned(ds_id):
+            coordinator = me_()
+            return coordinator.unplanned(ds_id) if coordinator is not None else None
+
+        for reporter in (state.preagreement, state.watchdog):
+            if reporter is not None:
+                reporter.unplanned = unplanned
         # The declared conditional modules, which have no hooks of their own ([Note: conditional modules] in
         # conditional.py): each forward's record of which ran ([Note: presence behind a reentrant checkpoint])
         self._conditional = [m for m in state.module.modules() if is_conditional(m)]
@@ -427,6 +437,34 @@ class Z3extCoordinator:
         self.state.discover_external(module, param)
         if skipping and skipping[-1][0] is module:  # released with the module's unit, the parameter in it now
             skipping[-1] = (module, self.state.unit_for(module), *skipping[-1][2:])
+
+    # [Note: a module off the plan] A module that no rank ran in the forward the ranks recorded together (a task's head
+    # first chosen at a later step, a tower first fed at a later batch) is in no plan, and no sibling's position tells
+    # where it would be (`fill_siblings`). Where every rank runs it, the plan follows the new order; where some ranks
+    # do, the others cannot know: nothing is exchanged in a walked forward (that is what makes it cheap), and
+    # exchanging before every fetch of every forward while some module has never run (an unused pooler, a tower no
+    # batch feeds) would cost every such program a host exchange per module. So the ranks' collectives differ and
+    # every rank raises (`agree_before_collectives` on gloo, the hang watchdog or the step's check on NCCL), and the
+    # error names the module, that no rank ran it in the recorded forward, and what trains it: declared in
+    # `conditional_modules` it is gathered with its parent on every rank.
+    def unplanned(self, ds_id) -> Optional[str]:
+        """The name of the module owning parameter `ds_id` where the forwards are walked and it is in no position of
+        the plan (nor a member of a planned fetch group); else None."""
+        plan = self.plan
+        if not plan.agreed or plan.recording:
+            return None
+        root = self.state.module
+        module = next((m for m in root.modules() for p in m.parameters(recurse=False)
+                       if getattr(p, "ds_id", None) == ds_id), None)
+        if module is None:
+            return None
+        planned = {id(m) for p in self.plans.values() for m in p.order}
+        for group in (self.state.groups or {}).values():
+            if id(group.owner) in planned:
+                planned.update(group.member_ids)
+        if id(module) in planned:
+            return None
+        return next((n for n, m in root.named_modules() if m is module), type(module).__name__)
 
     def _walk_forward(self, stop):
         """Plan positions from the cursor to `stop` that this rank's forward skips: each gathered (or passed in

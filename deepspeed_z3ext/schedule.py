@@ -91,6 +91,7 @@ class Preagreement:
     def __init__(self, engine):
         self._engine = engine  # the C++ GatherEngine: its handles name the parameters
         self.exchanges = 0
+        self.unplanned = None  # ds_id -> the module off the recorded plans ([Note: a module off the plan])
 
     def exchange(self, group, descriptor, progress=None):
         """The Python side's exchange before its own collective over `group` (a gloo group); its wait wakes
@@ -112,7 +113,8 @@ class Preagreement:
         raise ScheduleMismatchError(
             f"z3ext: the ranks' next collectives differ ({what}). A rank ran a forward, a backward or a call the "
             "others did not (or in another order); every rank must make the same calls ([Note: one schedule on every "
-            "rank] in deepspeed_z3ext/schedule.py). " + _presence_hint(rows) + "Raised before the collective on "
+            "rank] in deepspeed_z3ext/schedule.py). " + _presence_hint(rows) + off_plan_hint(rows, self.unplanned) +
+            "Raised before the collective on "
             "every rank: the engine's state is not to be trusted after this")
 
 
@@ -132,6 +134,26 @@ def _presence_hint(rows) -> str:
             "module run inside the segment whose parameters get a gradient on some ranks only; with "
             "use_reentrant=False (the default of HF's activation_checkpointing_enable) z3ext sees them ahead and "
             "trains such programs to DDP's numbers. ")
+
+
+def off_plan_hint(rows, unplanned) -> str:
+    """[Note: a module off the plan] in coordinator.py: where a rank's next collective gathers a module that no rank
+    ran in the forward the ranks recorded together, why the others did not gather it, and what trains it.
+    `unplanned(ds_id)`: the module of parameter `ds_id` where it is off the plan, else None."""
+    if unplanned is None:
+        return ""
+    off = {}
+    for r, row in enumerate(rows):
+        name = unplanned(row[2]) if row[0] == 1 else None
+        if name is not None:
+            off.setdefault(name, []).append(r)
+    if not off:
+        return ""
+    what = ", ".join(f"'{n}' (rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))})" for n, rs in off.items())
+    return (f"The module gathered where the others differ, {what}, ran on no rank in the forward the ranks recorded "
+            "together (the first training forward, or the first no_grad one): the ranks that do not run it now "
+            "cannot know that another does. List it in z3ext.conditional_modules (gathered with its parent on "
+            "every rank, zero gradients where it did not run), or run it on every rank in that first forward. ")
 
 
 def describe(names, descriptor) -> str:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from deepspeed_z3ext.deadline import Deadline, deadline_of
 from deepspeed_z3ext.errors import Z3extError
 from deepspeed_z3ext.inquiry import Inquiry
-from deepspeed_z3ext.schedule import ScheduleMismatchError, describe
+from deepspeed_z3ext.schedule import ScheduleMismatchError, describe, off_plan_hint
 
 
 class RankTimeoutError(Z3extError, RuntimeError):
@@ -76,6 +76,7 @@ class Watchdog:
         self.answer = min(10.0, hang_timeout, margin / 2)  # the reports' window: within the margin
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._names = names  # () -> {ds_id: parameter name}
+        self.unplanned = None  # ds_id -> the module off the recorded plans ([Note: a module off the plan])
         ranks = tuple(dist.get_process_group_ranks(group))
         serial = _SERIALS[ranks] = _SERIALS.get(ranks, 0) + 1
         store = dist.distributed_c10d._get_default_store() if store is None else store
@@ -110,7 +111,7 @@ class Watchdog:
             return
         reports = self._inquiries.exchange(n, self._report(), self.answer)
         self._inquiry += 1
-        cls, message = verdict(reports, self.world, self.deadline, self._names())
+        cls, message = verdict(reports, self.world, self.deadline, self._names(), self.unplanned)
         if cls is None:  # late or slow, before the deadline: a warning, and training goes on
             if message is not None:
                 from deepspeed.utils import logger
@@ -183,7 +184,7 @@ class Watchdog:
         self.aborted_groups = len(groups)
 
 
-def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
+def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names, unplanned=None):
     """(error class, message) from every answering rank's report, or (None, the warning) where the ranks wait for
     a late rank, or are slow, and the deadline has not come, or (None, None) where the late rank has just arrived
     ([Note: hang watchdog])."""
@@ -194,10 +195,12 @@ def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
     for i in common:  # the first collective the answering ranks recorded differently
         if len({tuple(by_index[r][i][1:6]) for r in by_index}) > 1:
             what = "; ".join(f"rank {r}: {describe(names, by_index[r][i][1:6])}" for r in sorted(by_index))
+            hint = off_plan_hint([by_index[r][i][1:6] for r in sorted(by_index)], unplanned)
             return ScheduleMismatchError, (f"z3ext: the ranks' collective #{i} differs ({what}). A rank ran a "
                                            "forward, a backward or a call the others did not ([Note: one schedule "
                                            "on every rank] in deepspeed_z3ext/schedule.py; found by the hang "
-                                           f"watchdog, [Note: hang watchdog] in deepspeed_z3ext/watchdog.py){tail}")
+                                           f"watchdog, [Note: hang watchdog] in deepspeed_z3ext/watchdog.py). {hint}"
+                                           f"{tail[2:]}")
     pending = {r: [rec for rec in rep["records"] if rec[7] != _COMPLETE] for r, rep in reports.items()}
     host_waits = {r: next((rec for rec in p if rec[7] == _WAITING), None) for r, p in pending.items()}
     # Every rank waiting, in different collectives: none can arrive at the others'. Certain only where every
@@ -206,11 +209,12 @@ def verdict(reports: Dict[int, dict], world: int, deadline: Deadline, names):
     if not silent and world > 1 and all(w is not None and w[6] >= deadline.interval for w in host_waits.values()) \
             and len({w[0] for w in host_waits.values()}) > 1:
         what = "; ".join(f"rank {r}: #{w[0]} ({describe(names, w[1:6])})" for r, w in sorted(host_waits.items()))
+        hint = off_plan_hint([w[1:6] for _, w in sorted(host_waits.items())], unplanned)
         return ScheduleMismatchError, (f"z3ext: the ranks wait in different collectives ({what}): none can arrive "
                                        "at the others'. A rank ran a forward, a backward or a call the others did "
                                        "not ([Note: one schedule on every rank] in deepspeed_z3ext/schedule.py; "
                                        f"found by the hang watchdog, [Note: hang watchdog] in "
-                                       f"deepspeed_z3ext/watchdog.py){tail}")
+                                       f"deepspeed_z3ext/watchdog.py). {hint}{tail[2:]}")
     arrived = max((rep["issued"] for rep in reports.values()), default=0)
     lines, late = [], list(silent)
     for r in sorted(reports):

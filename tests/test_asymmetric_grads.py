@@ -324,10 +324,12 @@ def test_no_grad_forwards_that_run_different_modules_by_rank_give_stocks_values(
         assert r["values"] and not r["mismatched"] and r["fast"] == 2, (rank, r)
 
 
-def _against_the_reference(model_fn, per_step, steps=4):
+def _against_the_reference(model_fn, per_step, steps=4, options=None):
     """Trains `model_fn` on the reference (stock ZeRO-3) and on z3ext with `hold_for_backward` off (every unit
-    gathered again in backward: the walk's positions must be the same on every rank), `per_step(model, reference,
-    i, rank)` setting what the step's forward runs; whether the losses and the final parameters are bitwise equal."""
+    gathered again in backward: the walk's positions must be the same on every rank) and `options`, `per_step(model,
+    reference, i, rank)` setting what the step's forward runs; whether the losses and the final parameters are bitwise
+    equal, or z3ext's error."""
+    import deepspeed_z3ext
     import torch
     import torch.distributed as dist
     from tests.models import build_engine, ds_config, full_params
@@ -335,15 +337,19 @@ def _against_the_reference(model_fn, per_step, steps=4):
     for name in ("reference", "z3ext"):
         cfg = ds_config(z3ext=name == "z3ext", persistence=0, ga=1)
         if name == "z3ext":
-            cfg["z3ext"] = {"enabled": True, "hold_for_backward": False}
+            cfg["z3ext"] = {"enabled": True, "hold_for_backward": False, **(options or {})}
         engine = build_engine(cfg, model_fn=model_fn, seed=7)
         losses = []
-        for i in range(steps):
-            per_step(engine.module, name == "reference", i, rank)
-            loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(100 * i + rank)))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        try:
+            for i in range(steps):
+                per_step(engine.module, name == "reference", i, rank)
+                g = torch.Generator().manual_seed(100 * i + rank)
+                loss = engine(torch.randint(0, VOCAB, (2, SEQ), generator=g))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        except deepspeed_z3ext.Z3extError as e:
+            return dict(error=str(e))
         out[name] = dict(losses=losses, params=full_params(engine))
         engine.destroy()
     ref = out["reference"]
@@ -437,6 +443,51 @@ def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_
     and the backward's gathers differed (`ScheduleMismatchError` naming the root's parameter)."""
     for rank, r in enumerate(run_on_ranks(root_parameter_and_last_module_by_rank, world_size=world, timeout=TIMEOUT)):
         assert r["losses"] and not r["mismatched"], (rank, r)
+
+
+def head_first_chosen_later(declared):
+    """A head per task, only the batch's own head run: every rank runs head `a` in the first forward (the one the
+    ranks record together), and from the second step on rank 0 runs head `b` at every other step. The reference:
+    stock with both heads run on every rank, the other head's loss times 0.0 (DDP's numbers). `declared`: the heads
+    listed in `conditional_modules`."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class PerTask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.body = nn.Linear(HIDDEN, HIDDEN)
+            self.heads = nn.ModuleDict({"a": nn.Linear(HIDDEN, VOCAB), "b": nn.Linear(HIDDEN, VOCAB)})
+            self.task, self.touch = "a", False
+
+        def forward(self, tokens):
+            h = torch.tanh(self.body(self.embed(tokens)))
+            target = tokens.roll(-1, 1).flatten()
+            loss = 0.0
+            for name, head in self.heads.items():
+                if name == self.task or self.touch:
+                    part = F.cross_entropy(head(h).flatten(0, 1).float(), target)
+                    loss = loss + part * (1.0 if name == self.task else 0.0)
+            return loss
+
+    def per_step(model, reference, i, rank):
+        model.task = "b" if rank == 0 and i % 2 == 1 else "a"
+        model.touch = reference
+
+    options = {"conditional_modules": ["heads.a", "heads.b"]} if declared else None
+    return _against_the_reference(PerTask, per_step, options=options)
+
+
+def test_a_module_first_run_by_some_ranks_after_the_recorded_forward_raises_naming_it_or_trains_declared():
+    """[Note: a module off the plan] in coordinator.py: a module no rank ran in the forward recorded together, run by
+    some ranks later, is gathered by those ranks only; every rank raises before the collective, naming it and the
+    declaration that trains it. Declared in `conditional_modules`, the program trains to DDP's numbers."""
+    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=False)):
+        assert "error" in r and "'heads.b' (rank 0)" in r["error"] and "conditional_modules" in r["error"], (rank, r)
+    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=True)):
+        assert r.get("losses") and not r["mismatched"], (rank, r)
 
 
 def bart_layerdrop(steps=4, systems=("declared", "undeclared"), options=None, lora=False, no_grad=False):
