@@ -224,8 +224,10 @@ class Z3extCoordinator:
         self.backward_claims.start_forward()
         self.state.engine.sweep(claims.FORWARD_START_KINDS)
         if not in_backward():
-            self._close_all_groups()  # before a generation step lifts hooks ([Note: member hooks] in lifted.py)
             grad = torch.is_grad_enabled()
+            # before a generation step lifts hooks ([Note: member hooks] in lifted.py); a training forward keeps a
+            # kept lift ([Note: kept lift])
+            self.close_all_groups(keep=grad)
             # [Note: generation residency] in resident_set.py (after the vote on dead graphs above)
             self.resident.start_forward(grad, self.backward_claims.live_graphs() > 0)
             self._noting = self.resident.keeping
@@ -308,6 +310,8 @@ class Z3extCoordinator:
             if self._noting:
                 for module in lifted.modules(group):
                     self.resident.seen(module)
+        elif group.lifted:  # kept from a forward before ([Note: kept lift] in lifted.py): each member's hooks decide
+            lifted.restore_members(group)
 
     def _holds(self, g, key, numel) -> bool:
         """Whether the open graph `g` (None: none yet) holds, or would hold, a unit of `numel` elements
@@ -324,14 +328,21 @@ class Z3extCoordinator:
         for key in group.member_ids:
             self._covered.pop(key, None)
         if group.lifted or group.lifted_dicts:
-            self.resident.lifted.restore_members(group)
+            self.resident.lifted.close_members(group)
 
-    def _close_all_groups(self):
+    def close_all_groups(self, keep=False):
+        """Every group closed (one an abandoned forward left open), its members' hooks back; with `keep`, a kept
+        lift stays ([Note: kept lift] in lifted.py)."""
         self._covered.clear()
         for group in self.state.groups.values():
+            if keep and not group.open:
+                continue
             group.open = False
             if group.lifted or group.lifted_dicts:
-                self.resident.lifted.restore_members(group)
+                if keep:
+                    self.resident.lifted.close_members(group)
+                else:
+                    self.resident.lifted.restore_members(group)
 
     def _warn_divergence(self):
         plan, n = self.plan, self._warn_every

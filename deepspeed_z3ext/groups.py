@@ -49,7 +49,7 @@ class MemberClaims(enum.Enum):
 
 class FetchGroup:
     __slots__ = ("owner", "members", "member_ids", "unit", "member_units", "open", "member_claims", "dirty", "epoch",
-                 "liftable", "lifted", "lifted_dicts", "ds_ids")
+                 "liftable", "lifted", "lifted_dicts", "ds_ids", "kept")
 
     def __init__(self, owner, members):
         self.owner = owner              # the module whose forward fetches the group
@@ -65,6 +65,7 @@ class FetchGroup:
         self.liftable = None            # (version, the modules whose hooks an open forward may lift, leaf dicts) (lifted.py)
         self.lifted = ()                # what the open forward lifted (lifted.py)
         self.lifted_dicts = ()          # the z3 leaf members' descendants' parameter dicts it made plain (lifted.py)
+        self.kept = False               # `lifted` stays while the group is closed ([Note: kept lift] in lifted.py)
 
 
 def form(order: list, spans: Dict[int, list], root, max_numel: int, numel_of) -> Dict[int, FetchGroup]:

@@ -196,12 +196,15 @@ def register(offload, module):
 
     Tensor = torch.Tensor
 
-    def _member_forward(forward, *args, **kwargs):
+    def _member_forward(group, module, forward, *args, **kwargs):
         # A group member's call while its group is open, in place of its two hooks ([Note: member hooks] in
         # lifted.py): the pre-forward hook's input boundary, in grad mode. Most members take one tensor: its
-        # boundary inline (this runs for every member of every block).
+        # boundary inline (this runs for every member of every block). While the group is closed its hooks go back
+        # and the call runs through them ([Note: kept lift] in lifted.py).
+        if not group.open:
+            return lifted.closed_call(group, module, args, kwargs)
         if not grad_enabled():  # inside a no_grad region of the owner's forward: a reentrant checkpoint's, say
-            offload.param_coordinator.plan.members_without_grad.append(getattr(forward, "__self__", None))
+            offload.param_coordinator.plan.members_without_grad.append(module)
         elif args:
             if len(args) == 1 and isinstance(args[0], Tensor):
                 x = args[0]

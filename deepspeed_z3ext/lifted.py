@@ -33,6 +33,17 @@ Not under a compiled region (Dynamo guards on hook dicts) nor for an engine Deep
 switched on inside a no_grad owner's forward adds no boundary to its members' inputs. The lift walks the
 owner's lift-able modules once per forward (a list kept per group, rebuilt when hooks are added or removed).
 
+[Note: kept lift] Lifting a group's members and putting their hooks back at every open and close was the largest
+part of a member's host cost beyond its ops: about 2.2 M instructions of a GPT 32x64 forward's 52.8 M
+(bench/NOTES.md v48). So a lift made in grad mode stays when the group closes; only the parameter dicts look up
+through DeepSpeed's getter again, as the parameters are released. The next grad-mode open takes it as it is where
+nothing changed: no hook registered on a member meanwhile, its forward still the one the lift set, and no hook of the
+engine added or removed (`_version`); otherwise the hooks go back and the lift is made anew, as is a no_grad open's
+(its lift has no forward of its own to guard the members, and goes back at its close). A member called while its group
+is closed (on its own, between steps) finds the forward the lift set: the hooks go back and the call runs again
+through them (`closed_call`). Before an open whose members claim for themselves (MemberClaims.FORWARD, RECOMPUTE), a
+compiled region, a generation step, and `engine.destroy()`, the hooks go back.
+
 [Note: lifted getters] DeepSpeed makes every module's `_parameters` a ZeROOrderedDict whose getter (z3ext's seam,
 external.py) runs in Python on every parameter access (`self.weight`): a few calls each, about 150 accesses per
 generated token of a 16-layer Llama, 390 per forward of a 32-layer GPT. Where the hooks are lifted, every parameter of the
@@ -132,10 +143,20 @@ class LiftedHooks:
 
 
     def lift_members(self, group, grad_enabled):
-        """[Note: member hooks]: the hooks of the modules inside `group`'s owner, for the group's open forward."""
+        """[Note: member hooks]: the hooks of the modules inside `group`'s owner, for the group's open forward (still
+        lifted from the last grad-mode one where nothing changed meanwhile: [Note: kept lift])."""
         if self.compiled:
+            if group.lifted:
+                self.restore_members(group)
             return
         liftable = group.liftable
+        if group.kept:
+            if grad_enabled and liftable[0] == self._version and _untouched(group.lifted):
+                for params in group.lifted_dicts:  # [Note: lifted getters]
+                    if type(params) is ZERO_DICT:
+                        params.__class__ = GATHERED_DICT
+                return
+            self.restore_members(group)
         if liftable is None or liftable[0] != self._version:
             liftable = group.liftable = (self._version, self._liftable(group), _leaf_dicts(group))
         boundary, out, dicts = self.member_boundary if grad_enabled else None, [], []
@@ -145,19 +166,21 @@ class LiftedHooks:
                 continue  # another's hook beside z3ext's, or lifted for generation
             pre_fn, post_fn = pres.pop(pre), posts.pop(post)
             del always[post]
-            forward = None  # untouched
+            forward = installed = None  # untouched
             if boundary is not None:
                 forward = attrs.get("forward", _NONE)
                 if forward is _NONE:  # the class's forward: its call with the boundary made once per module
                     cls_forward = type(m).forward
                     if forwards[0] is not cls_forward:
-                        forwards[:] = cls_forward, partial(boundary, m.forward)
-                    attrs["forward"] = forwards[1]
+                        forwards[:] = cls_forward, partial(boundary, group, m, m.forward)
+                    installed = forwards[1]
                 else:
-                    attrs["forward"] = partial(boundary, forward)  # the input boundary, then its forward
-            out.append((entry, pre_fn, post_fn, forward))
+                    installed = partial(boundary, group, m, forward)  # the input boundary, then its forward
+                attrs["forward"] = installed
+            out.append((entry, pre_fn, post_fn, forward, installed))
             dicts.append(attrs["_parameters"])
         group.lifted = out
+        group.kept = boundary is not None  # [Note: kept lift]
         # [Note: lifted getters]: the lifted members' parameter dicts and those of a z3 leaf member's descendants
         group.lifted_dicts = [d for d in (*dicts, *liftable[2]) if type(d) is ZERO_DICT]
         for params in group.lifted_dicts:
@@ -168,15 +191,32 @@ class LiftedHooks:
         """The modules whose hooks the open `group`'s forward lifted."""
         return [entry[0] for entry, *_ in group.lifted]
 
+    def close_members(self, group):
+        """The owner's forward is over: a grad-mode lift stays, its parameter dicts look up through DeepSpeed's getter
+        again ([Note: kept lift]); any other goes back."""
+        if not group.kept:
+            self.restore_members(group)
+            return
+        for params in group.lifted_dicts:
+            if type(params) is GATHERED_DICT:
+                params.__class__ = ZERO_DICT
+
+    def closed_call(self, group, module, args, kwargs):
+        """A member of `group` called while the group is closed, its hooks still lifted ([Note: kept lift]): they go
+        back, and the call runs again through them."""
+        self.restore_members(group)
+        return module(*args, **kwargs)
+
     def restore_members(self, group):
         """What `lift_members` took out, back in its place (first: z3ext's hooks were the only ones)."""
+        group.kept = False
         lifted, group.lifted = group.lifted, ()
         for params in group.lifted_dicts:  # (zero_lookups, inline)
             if type(params) is GATHERED_DICT:
                 params.__class__ = ZERO_DICT
         group.lifted_dicts = ()
         hooks = self._hooks
-        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward in lifted:
+        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, _ in lifted:
             if forward is _NONE:
                 attrs.pop("forward", None)
             elif forward is not None:
@@ -205,6 +245,15 @@ class LiftedHooks:
                 out.append((m, entry[1], entry[2], m._forward_pre_hooks, m._forward_hooks,
                             m._forward_hooks_always_called, m.__dict__, [None, None]))
         return tuple(out)
+
+
+def _untouched(lifted) -> bool:
+    """Whether the kept lift's members are as it left them: no hook registered on them, and the forward it set
+    still theirs ([Note: kept lift])."""
+    for (_, _, _, pres, posts, _, attrs, _), _, _, _, installed in lifted:
+        if pres or posts or attrs.get("forward") is not installed:
+            return False
+    return True
 
 
 def _leaf_dicts(group):

@@ -99,6 +99,9 @@ class Z3extZeRoOffload(DeepSpeedZeRoOffload):
         fallback = self.__dict__.pop("z3ext_fallback", None)  # set by fallback.py under DeepCompile
         if fallback is not None:
             fallback.close()
+        coordinator = self.__dict__.get("param_coordinator")
+        if isinstance(coordinator, Z3extCoordinator) and getattr(self, "z3ext", None) is not None:
+            coordinator.close_all_groups()  # the members' kept hooks back before DeepSpeed removes them ([Note: kept lift])
         super().destroy()
         if getattr(self, "z3ext", None) is not None:
             master.give_back([p for p in self.z3ext.params if self.z3ext.owns(p)])  # [Note: partition is the master]

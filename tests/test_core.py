@@ -500,6 +500,58 @@ def member_hooks_case():
     return out
 
 
+def kept_lift_case():
+    """Between training steps a block's members keep the lift of the last grad-mode forward ([Note: kept lift] in
+    lifted.py): a member called on its own, a hook registered on a member, an eval forward and training after them."""
+    import torch
+    import torch.distributed as dist
+    from tests.models import TinyGPT, batch, build_engine, ds_config, full_params
+    out = {}
+    for name in ("stock", "z3ext"):
+        eng = build_engine(ds_config(z3ext=name == "z3ext", persistence=0, ga=1), model_fn=lambda: TinyGPT(layers=4))
+        model, rank, r = eng.module, dist.get_rank(), {}
+        calls = []
+
+        def step(i):
+            loss = eng(batch(i, rank))
+            eng.backward(loss)
+            eng.step()
+            return loss.item()
+
+        r["losses"] = [step(0), step(1)]
+        fc1 = model.blocks[1].fc1
+        r["kept"] = not fc1._forward_pre_hooks and type(fc1.__dict__.get("forward")).__name__ == "partial"
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():  # a member alone, its group closed: its own hooks gather it
+            r["alone"] = fc1(x)
+        r["alone_hooks_back"] = len(fc1._forward_pre_hooks) == 1 and "forward" not in fc1.__dict__
+        model.blocks[2].fc2.register_forward_hook(lambda m, a, o: calls.append(o.shape[1]))  # between steps
+        r["losses"] += [step(2), step(3)]
+        with torch.no_grad():
+            r["losses"].append(eng(batch(9, rank)).item())
+        r["losses"] += [step(4)]
+        r["hook_calls"] = len(calls)
+        r["params"] = full_params(eng)
+        eng.destroy()
+        r["destroyed_plain"] = all("forward" not in m.__dict__ for m in model.modules())
+        out[name] = r
+    z, st = out["z3ext"], out["stock"]
+    return dict(losses=z["losses"] == st["losses"], params=params_equal(z["params"], st["params"]),
+                alone=torch.equal(z["alone"], st["alone"]), kept=z["kept"], alone_hooks_back=z["alone_hooks_back"],
+                hook_calls=(z["hook_calls"], st["hook_calls"]), destroyed_plain=z["destroyed_plain"])
+
+
+def test_kept_lift_gives_way_to_a_member_called_alone_and_to_a_hook_registered_between_steps():
+    """[Note: kept lift] in lifted.py: after a grad-mode forward a block's members stay lifted; a member called on
+    its own between steps gets its hooks back and runs through them (stock's value, bitwise); a hook registered on
+    a member between steps runs at every later forward; training, an eval forward and `destroy` after them: stock's
+    losses and parameters, bitwise, and no member left with the lift's forward."""
+    for r in run_on_ranks(kept_lift_case):
+        assert r["kept"], r
+        assert r["losses"] and r["params"] and r["alone"] and r["alone_hooks_back"], r
+        assert r["hook_calls"] == (4, 4) and r["destroyed_plain"], r
+
+
 def test_member_hooks_are_lifted_while_their_group_is_open():
     """[Note: member hooks]: from the second forward on, a block's members run without z3ext's hooks (in grad
     mode their call adds the input boundary, then runs their forward, their own if they have one), but a member
