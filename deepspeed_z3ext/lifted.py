@@ -182,7 +182,7 @@ class LiftedHooks:
         group.lifted = out
         group.kept = boundary is not None  # [Note: kept lift]
         # [Note: lifted getters]: the lifted members' parameter dicts and those of a z3 leaf member's descendants
-        group.lifted_dicts = [d for d in (*dicts, *liftable[2]) if type(d) is ZERO_DICT]
+        group.lifted_dicts = [d for d in (*dicts, *liftable[2]) if type(d) is ZERO_DICT and d]  # (an empty one: no lookup)
         for params in group.lifted_dicts:
             params.__class__ = GATHERED_DICT
 
