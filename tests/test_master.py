@@ -1,8 +1,8 @@
 """A bf16 or fp16 parameter's partition is its fp32 master ([Note: partition is the master] in master.py), on
 real gloo ranks against stock ZeRO-3 on the same seed:
-- bf16 and fp16 (with gradient accumulation), and bf16 with ZeRO++ hpZ on 4 ranks as 2 nodes: losses,
-  gathered parameters and fp32 masters bitwise stock's; every trainable partition is its master and stock's
-  low-precision buffer is gone;
+- bf16 and fp16 (with gradient accumulation; fp16 also on 4 ranks), and bf16 with ZeRO++ hpZ on 4 ranks as 2
+  nodes: losses, gathered parameters and fp32 masters bitwise stock's; every trainable partition is its master
+  and stock's low-precision buffer is gone;
 - what a rank holds: glibc's in-use bytes after `deepspeed.initialize`, the same model and data, z3ext with
   and without `partition_from_master`: 2 bytes per trainable element and rank less;
 - a weight written in a GatheredParameters block with `modifier_rank` after initialization trains from the
@@ -91,6 +91,27 @@ def test_partition_is_the_master_bitwise_equal_to_stock(dtype, world):
         assert stock_views == 0 and stock_lp > 0, r["aliased"]  # stock: its own bf16 partitions
         assert views == n == n_z3 and lp == 0, r["aliased"]
         assert r["dtypes"] == {"torch.bfloat16" if dtype.startswith("bf16") else "torch.float16"}, r["dtypes"]
+
+
+def fp16_past_the_cpu_check():
+    """`same_as_stock` in fp16 where DeepSpeed's CPU accelerator refuses fp16 at `deepspeed.initialize` (oneDNN
+    without fp16): only that check is passed over, in this rank's process; torch's CPU fp16 arithmetic is the same
+    for stock and z3ext."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() == "cpu" and not acc.is_fp16_supported():
+        type(acc).is_fp16_supported = lambda self: True
+    return same_as_stock("fp16")
+
+
+def test_fp16_partition_is_the_master_on_four_ranks():
+    """fp16 with loss scaling and gradient accumulation as 4 gloo ranks: losses, gathered parameters and fp32
+    masters stock's bits, every trainable partition its master (4 ranks sum in an order 2 ranks do not show)."""
+    for rank, r in enumerate(run_on_ranks(fp16_past_the_cpu_check, world_size=4, timeout=420)):
+        assert r["losses"][0] == r["losses"][1], (rank, r["losses"])
+        assert not r["params"] and not r["masters"], (rank, r["params"], r["masters"])
+        assert r["aliased"][1][0] == r["aliased"][1][1] and r["aliased"][1][2] == 0, r["aliased"]
+        assert r["dtypes"] == {"torch.float16"}, r["dtypes"]
 
 
 @pytest.mark.gpus(2)
