@@ -455,9 +455,9 @@ class Z3extCoordinator:
     # do, the others cannot know: nothing is exchanged in a walked forward (that is what makes it cheap), and
     # exchanging before every fetch of every forward while some module has never run (an unused pooler, a tower no
     # batch feeds) would cost every such program a host exchange per module. So the ranks' collectives differ and
-    # every rank raises (`agree_before_collectives` on gloo, the hang watchdog or the step's check on NCCL), and the
-    # error names the module, that no rank ran it in the recorded forward, and what trains it: declared in
-    # `conditional_modules` it is gathered with its parent on every rank.
+    # every rank raises (`agree_before_collectives` on gloo, the hang watchdog on NCCL), and the error names the
+    # module, that no rank ran it in the recorded forward, and what trains it: declared in `conditional_modules` it
+    # is gathered with its parent on every rank.
     def unplanned(self, ds_id) -> Optional[str]:
         """The name of the module owning parameter `ds_id` where the forwards are walked and it is in no position of
         the plan (nor a member of a planned fetch group); else None."""

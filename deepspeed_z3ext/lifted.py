@@ -216,11 +216,12 @@ class LiftedHooks:
                 params.__class__ = ZERO_DICT
         group.lifted_dicts = ()
         hooks = self._hooks
-        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, _ in lifted:
-            if forward is _NONE:
-                attrs.pop("forward", None)
-            elif forward is not None:
-                attrs["forward"] = forward
+        for (m, pre, post, pres, posts, always, attrs, _), pre_fn, post_fn, forward, installed in lifted:
+            if installed is not None and attrs.get("forward") is installed:  # (one set meanwhile stays)
+                if forward is _NONE:
+                    del attrs["forward"]
+                else:
+                    attrs["forward"] = forward
             if id(m) not in hooks:
                 continue  # removed meanwhile (DeepSpeed re-registering or destroying hooks)
             if pres:  # (_put_first, its usual case inline: once per member and forward)

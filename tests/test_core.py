@@ -526,30 +526,42 @@ def kept_lift_case():
             r["alone"] = fc1(x)
         r["alone_hooks_back"] = len(fc1._forward_pre_hooks) == 1 and "forward" not in fc1.__dict__
         model.blocks[2].fc2.register_forward_hook(lambda m, a, o: calls.append(o.shape[1]))  # between steps
-        r["losses"] += [step(2), step(3)]
+        r["losses"] += [step(2)]
+        replaced = []
+        fc1_3 = model.blocks[3].fc1
+
+        def forward(x):  # a member's forward replaced between steps: it stays
+            replaced.append(1)
+            return torch.nn.functional.linear(x, fc1_3.weight, fc1_3.bias)
+
+        fc1_3.forward = forward
+        r["losses"] += [step(3)]
         with torch.no_grad():
             r["losses"].append(eng(batch(9, rank)).item())
         r["losses"] += [step(4)]
         r["hook_calls"] = len(calls)
+        r["replaced_calls"] = len(replaced)
         r["params"] = full_params(eng)
         eng.destroy()
-        r["destroyed_plain"] = all("forward" not in m.__dict__ for m in model.modules())
+        r["destroyed_plain"] = all("forward" not in m.__dict__ for m in model.modules() if m is not fc1_3)
         out[name] = r
     z, st = out["z3ext"], out["stock"]
     return dict(losses=z["losses"] == st["losses"], params=params_equal(z["params"], st["params"]),
                 alone=torch.equal(z["alone"], st["alone"]), kept=z["kept"], alone_hooks_back=z["alone_hooks_back"],
-                hook_calls=(z["hook_calls"], st["hook_calls"]), destroyed_plain=z["destroyed_plain"])
+                hook_calls=(z["hook_calls"], st["hook_calls"]), replaced=(z["replaced_calls"], st["replaced_calls"]),
+                destroyed_plain=z["destroyed_plain"])
 
 
 def test_kept_lift_gives_way_to_a_member_called_alone_and_to_a_hook_registered_between_steps():
     """[Note: kept lift] in lifted.py: after a grad-mode forward a block's members stay lifted; a member called on
     its own between steps gets its hooks back and runs through them (stock's value, bitwise); a hook registered on
-    a member between steps runs at every later forward; training, an eval forward and `destroy` after them: stock's
-    losses and parameters, bitwise, and no member left with the lift's forward."""
+    a member between steps runs at every later forward, as does a member's forward replaced between steps; training,
+    an eval forward and `destroy` after them: stock's losses and parameters, bitwise, and no member left with the
+    lift's forward."""
     for r in run_on_ranks(kept_lift_case):
         assert r["kept"], r
         assert r["losses"] and r["params"] and r["alone"] and r["alone_hooks_back"], r
-        assert r["hook_calls"] == (4, 4) and r["destroyed_plain"], r
+        assert r["hook_calls"] == (4, 4) and r["replaced"] == (3, 3) and r["destroyed_plain"], r
 
 
 def test_member_hooks_are_lifted_while_their_group_is_open():
