@@ -129,7 +129,7 @@ class Z3extCoordinator:
         self._skipping = []  # (module, unit, ids of its descendants, grad mode): skipped, released after those
         self._descendants = {}  # id(module) -> ids of the modules below it, for `_skipping`
         self._walk_marks = {}  # id(module) -> positions released before its first hold or release ([Note: reductions on the walk])
-        self._owner_of = None  # (root, ds_id -> the module owning the parameter), made at the first walk_above
+        self._owner_of = None  # (root, ds_id -> the module owning the parameter): `_owners`
         self._param_by_ds_id = None
         # [Note: a module off the plan]: the collectives' errors name it (a weak reference: the state outlives this)
         me_ = weakref.ref(self)
@@ -464,9 +464,7 @@ class Z3extCoordinator:
         plan = self.plan
         if not plan.agreed or plan.recording:
             return None
-        root = self.state.module
-        module = next((m for m in root.modules() for p in m.parameters(recurse=False)
-                       if getattr(p, "ds_id", None) == ds_id), None)
+        module = self._owners().get(ds_id)
         if module is None:
             return None
         planned = {id(m) for p in self.plans.values() for m in p.order}
@@ -475,7 +473,7 @@ class Z3extCoordinator:
                 planned.update(group.member_ids)
         if id(module) in planned:
             return None
-        return next((n for n, m in root.named_modules() if m is module), type(module).__name__)
+        return next((n for n, m in self.state.module.named_modules() if m is module), type(module).__name__)
 
     def _walk_forward(self, stop):
         """Plan positions from the cursor to `stop` that this rank's forward skips: each gathered (or passed in
@@ -754,19 +752,24 @@ class Z3extCoordinator:
         if reducer is not None and torch._C._current_graph_task_id() >= 0:
             reducer.agree_reentrant()
 
+    def _owners(self):
+        """ds_id -> the module owning the parameter (made once per root)."""
+        owner = self._owner_of
+        if owner is None or owner[0] is not self.state.module:
+            owner = self._owner_of = (self.state.module, {p.ds_id: m for m in self.state.module.modules()
+                                                          for p in m.parameters(recurse=False) if hasattr(p, "ds_id")})
+        return owner[1]
+
     def walk_above(self, params):
         """Before a walked pass reduces the bucket of `params`: the walk passes the positions above their modules
         ([Note: reductions on the walk] in window.py)."""
         window = self.backward_window
         if not window.walked:
             return
-        owner = self._owner_of
-        if owner is None or owner[0] is not self.state.module:
-            owner = self._owner_of = (self.state.module, {p.ds_id: m for m in self.state.module.modules()
-                                                          for p in m.parameters(recurse=False) if hasattr(p, "ds_id")})
+        owner = self._owners()
         marks, stop = self._walk_marks, None
         for p in params:
-            module = owner[1].get(p.ds_id)
+            module = owner.get(p.ds_id)
             if module is None:
                 continue
             k = marks.get(id(module))
