@@ -15,7 +15,8 @@ all-gathers would differ. With several ranks (`z3ext.agree_forwards`, on by defa
   records the same plan, the union of what ran, in one order ([Note: forward plan] in plan.py); one tiny exchange
   per module, in that forward only. Where the ranks ran different modules, no fetch groups are formed (they are
   formed from what each rank ran), and the members of a list of like modules that no rank ran are put in the plan
-  by analogy with one that ran (`plan.fill_siblings`: LayerDrop may drop a layer everywhere in that forward).
+  by analogy with one that ran (`plan.fill_siblings`: LayerDrop may drop a layer everywhere in that forward); the
+  members of a dict of like modules (a head per task) are, whatever ran ([Note: a dict of like modules]).
 - Every later forward of that grad mode walks its plan: a module fetched past the cursor first passes the positions
   it skipped, each gathered (or passed in the prefetch window) as if its module had run there, and the forward's
   end passes what is left of the forward's positions, unless the forward left the plan (a module off it: another
@@ -280,6 +281,8 @@ class Z3extCoordinator:
             if end is not None:
                 plan.forward_len = len(groups.collapse(plan.order[:end], state.groups))
             plan.order = groups.collapse(plan.order, state.groups)
+        if plan.agreed and not plan.diverged_recording:  # [Note: a dict of like modules]
+            plan.order, plan.forward_len = fill_siblings(plan.order, state.module, plan.forward_len, lists=False)
 
     def open_group_of(self, module):
         """The open group `module` is the owner or a member of, or None."""
@@ -449,8 +452,16 @@ class Z3extCoordinator:
         if skipping and skipping[-1][0] is module:  # released with the module's unit, the parameter in it now
             skipping[-1] = (module, self.state.unit_for(module), *skipping[-1][2:])
 
-    # [Note: a module off the plan] A module that no rank ran in the forward the ranks recorded together (a task's head
-    # first chosen at a later step, a tower first fed at a later batch) is in no plan, and no sibling's position tells
+    # [Note: a dict of like modules] A task's head in an `nn.ModuleDict` of like heads that no rank ran in the forward
+    # the ranks recorded together (every rank's first batch was another task's) may be chosen by some ranks only at a
+    # later batch. So every agreed plan, not only one whose ranks ran different modules, holds the members of such a
+    # dict that did not run, placed by analogy with one that ran (`fill_siblings`, dicts only: a list of layers of
+    # which a uniform program runs a prefix would pay for the rest): every rank gathers each head in each forward of
+    # that grad mode (and walks it in backward), and the ranks that do not run it reduce zeros for it, DDP's numbers
+    # with nothing declared. The cost is one unit per such head and forward, also where every rank always runs the
+    # same one; a dict inside a fetch group is not filled (its members are no positions of the plan).
+    # [Note: a module off the plan] A module that no rank ran in the forward the ranks recorded together (a tower
+    # first fed at a later batch, a head that is a plain attribute) is in no plan, and no sibling's position tells
     # where it would be (`fill_siblings`). Where every rank runs it, the plan follows the new order; where some ranks
     # do, the others cannot know: nothing is exchanged in a walked forward (that is what makes it cheap), and
     # exchanging before every fetch of every forward while some module has never run (an unused pooler, a tower no

@@ -156,19 +156,22 @@ def _name(module):
     return f"{type(module).__name__}(ds_id {getattr(module, 'ds_id', '?')})"
 
 
-def fill_siblings(order, root, end=None):
-    """`order` with the members of a list of like modules (an `nn.ModuleList` of layers) that no rank ran while
-    it was recorded inserted where they belong, by analogy with a member that ran: LayerDrop may drop a layer on
-    every rank in the recorded forward and run it later ([Note: forwards that differ by rank] in coordinator.py).
-    `end`: the outermost forward's positions (the rest recomputation; None: not known yet). Returns the order and
-    its new end, the modules inserted at or before the end counted in it."""
+def fill_siblings(order, root, end=None, lists=True):
+    """`order` with the members of a list or dict of like modules (an `nn.ModuleList` of layers, an `nn.ModuleDict`
+    of heads) that no rank ran while it was recorded inserted where they belong, by analogy with a member that ran:
+    LayerDrop may drop a layer on every rank in the recorded forward and run it later, and a task's head first
+    chosen at a later batch may be chosen by some ranks only ([Note: forwards that differ by rank], [Note: a dict of
+    like modules] in coordinator.py). `end`: the outermost forward's positions (the rest recomputation; None: not
+    known yet). `lists`: ModuleLists too, not only ModuleDicts. Returns the order and its new end, the modules
+    inserted at or before the end counted in it."""
     import torch.nn as nn
     names = {id(m): n for n, m in root.named_modules()}
     by_name = {n: m for n, m in root.named_modules()}
+    kinds = (nn.ModuleList, nn.ModuleDict) if lists else (nn.ModuleDict, )
     for container in root.modules():
-        if not isinstance(container, nn.ModuleList) or len(container) < 2:
+        if not isinstance(container, kinds) or len(container) < 2:
             continue
-        members = list(container)
+        members = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
         if len({type(m) for m in members}) != 1:
             continue
         inside = [{id(x) for x in m.modules()} for m in members]

@@ -445,11 +445,12 @@ def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_
         assert r["losses"] and not r["mismatched"], (rank, r)
 
 
-def head_first_chosen_later(declared):
+def head_first_chosen_later(declared, container="dict"):
     """A head per task, only the batch's own head run: every rank runs head `a` in the first forward (the one the
-    ranks record together), and from the second step on rank 0 runs head `b` at every other step. The reference:
-    stock with both heads run on every rank, the other head's loss times 0.0 (DDP's numbers). `declared`: the heads
-    listed in `conditional_modules`."""
+    ranks record together), and from the second step on rank 0 runs head `b` at every other step. The heads are an
+    `nn.ModuleDict` (`container` "dict") or two attributes of the model ("attributes": no like sibling). The
+    reference: stock with both heads run on every rank, the other head's loss times 0.0 (DDP's numbers).
+    `declared`: the heads listed in `conditional_modules`."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -459,14 +460,18 @@ def head_first_chosen_later(declared):
             super().__init__()
             self.embed = nn.Embedding(VOCAB, HIDDEN)
             self.body = nn.Linear(HIDDEN, HIDDEN)
-            self.heads = nn.ModuleDict({"a": nn.Linear(HIDDEN, VOCAB), "b": nn.Linear(HIDDEN, VOCAB)})
+            if container == "dict":
+                self.heads = nn.ModuleDict({"a": nn.Linear(HIDDEN, VOCAB), "b": nn.Linear(HIDDEN, VOCAB)})
+            else:
+                self.head_a, self.head_b = nn.Linear(HIDDEN, VOCAB), nn.Linear(HIDDEN, VOCAB)
             self.task, self.touch = "a", False
 
         def forward(self, tokens):
             h = torch.tanh(self.body(self.embed(tokens)))
             target = tokens.roll(-1, 1).flatten()
+            heads = self.heads.items() if container == "dict" else (("a", self.head_a), ("b", self.head_b))
             loss = 0.0
-            for name, head in self.heads.items():
+            for name, head in heads:
                 if name == self.task or self.touch:
                     part = F.cross_entropy(head(h).flatten(0, 1).float(), target)
                     loss = loss + part * (1.0 if name == self.task else 0.0)
@@ -476,17 +481,32 @@ def head_first_chosen_later(declared):
         model.task = "b" if rank == 0 and i % 2 == 1 else "a"
         model.touch = reference
 
-    options = {"conditional_modules": ["heads.a", "heads.b"]} if declared else None
+    names = ["heads.a", "heads.b"] if container == "dict" else ["head_a", "head_b"]
+    options = {"conditional_modules": names} if declared else None
     return _against_the_reference(PerTask, per_step, options=options)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_head_of_a_dict_first_run_by_some_ranks_after_the_recorded_forward_trains_to_ddps_numbers(world):
+    """[Note: a dict of like modules] in coordinator.py: a task's head in an `nn.ModuleDict` that no rank ran in the
+    forward recorded together, run by some ranks later, is in the plan by analogy with the head that ran: every rank
+    gathers it, nothing declared (before: every rank raised, naming it)."""
+    for declared in (False, True):
+        for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=world, timeout=TIMEOUT,
+                                              declared=declared)):
+            assert r.get("losses") and not r["mismatched"], (declared, rank, r)
+
+
 def test_a_module_first_run_by_some_ranks_after_the_recorded_forward_raises_naming_it_or_trains_declared():
-    """[Note: a module off the plan] in coordinator.py: a module no rank ran in the forward recorded together, run by
-    some ranks later, is gathered by those ranks only; every rank raises before the collective, naming it and the
-    declaration that trains it. Declared in `conditional_modules`, the program trains to DDP's numbers."""
-    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=False)):
-        assert "error" in r and "'heads.b' (rank 0)" in r["error"] and "conditional_modules" in r["error"], (rank, r)
-    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=True)):
+    """[Note: a module off the plan] in coordinator.py: a module without a like sibling that no rank ran in the
+    forward recorded together, run by some ranks later, is gathered by those ranks only; every rank raises before
+    the collective, naming it and the declaration that trains it. Declared in `conditional_modules`, the program
+    trains to DDP's numbers."""
+    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=False,
+                                          container="attributes")):
+        assert "error" in r and "'head_b' (rank 0)" in r["error"] and "conditional_modules" in r["error"], (rank, r)
+    for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=2, timeout=TIMEOUT, declared=True,
+                                          container="attributes")):
         assert r.get("losses") and not r["mismatched"], (rank, r)
 
 
