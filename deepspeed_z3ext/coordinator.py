@@ -282,7 +282,10 @@ class Z3extCoordinator:
                 plan.forward_len = len(groups.collapse(plan.order[:end], state.groups))
             plan.order = groups.collapse(plan.order, state.groups)
         if plan.agreed and not plan.diverged_recording:  # [Note: a dict of like modules]
-            plan.order, plan.forward_len = fill_siblings(plan.order, state.module, plan.forward_len, lists=False)
+            formed = state.groups or {}
+            plan.order, plan.forward_len = fill_siblings(
+                plan.order, state.module, plan.forward_len, lists=False,
+                expand=lambda m: formed[id(m)].members if id(m) in formed else (m, ))
 
     def open_group_of(self, module):
         """The open group `module` is the owner or a member of, or None."""

@@ -156,14 +156,15 @@ def _name(module):
     return f"{type(module).__name__}(ds_id {getattr(module, 'ds_id', '?')})"
 
 
-def fill_siblings(order, root, end=None, lists=True):
+def fill_siblings(order, root, end=None, lists=True, expand=None):
     """`order` with the members of a list or dict of like modules (an `nn.ModuleList` of layers, an `nn.ModuleDict`
     of heads) that no rank ran while it was recorded inserted where they belong, by analogy with a member that ran:
     LayerDrop may drop a layer on every rank in the recorded forward and run it later, and a task's head first
     chosen at a later batch may be chosen by some ranks only ([Note: forwards that differ by rank], [Note: a dict of
     like modules] in coordinator.py). `end`: the outermost forward's positions (the rest recomputation; None: not
-    known yet). `lists`: ModuleLists too, not only ModuleDicts. Returns the order and its new end, the modules
-    inserted at or before the end counted in it."""
+    known yet). `lists`: ModuleLists too, not only ModuleDicts. `expand(module)`: the modules a position stands for
+    (a fetch group's owner: its members), copied one by one. Returns the order and its new end, the modules inserted
+    at or before the end counted in it."""
     import torch.nn as nn
     names = {id(m): n for n, m in root.named_modules()}
     by_name = {n: m for n, m in root.named_modules()}
@@ -183,7 +184,7 @@ def fill_siblings(order, root, end=None, lists=True):
         if runs[t] != list(range(runs[t][0], runs[t][-1] + 1)):
             continue  # its modules are not one run of the plan: no place to copy
         prefix_t = names[id(members[t])]
-        template = [names[id(order[i])][len(prefix_t):] for i in runs[t]]
+        template = [names[id(x)][len(prefix_t):] for i in runs[t] for x in (expand(order[i]) if expand else [order[i]])]
         inserts = {}  # plan position -> modules to insert before it
         for k in range(len(members)):
             if runs[k]:

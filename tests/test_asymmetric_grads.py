@@ -448,7 +448,8 @@ def test_a_root_with_parameters_and_a_last_module_some_ranks_run_trains_to_ddps_
 def head_first_chosen_later(declared, container="dict"):
     """A head per task, only the batch's own head run: every rank runs head `a` in the first forward (the one the
     ranks record together), and from the second step on rank 0 runs head `b` at every other step. The heads are an
-    `nn.ModuleDict` (`container` "dict") or two attributes of the model ("attributes": no like sibling). The
+    `nn.ModuleDict` of linears (`container` "dict") or of blocks ("towers"), or two attributes of the model
+    ("attributes": no like sibling). The
     reference: stock with both heads run on every rank, the other head's loss times 0.0 (DDP's numbers).
     `declared`: the heads listed in `conditional_modules`."""
     import torch
@@ -462,6 +463,9 @@ def head_first_chosen_later(declared, container="dict"):
             self.body = nn.Linear(HIDDEN, HIDDEN)
             if container == "dict":
                 self.heads = nn.ModuleDict({"a": nn.Linear(HIDDEN, VOCAB), "b": nn.Linear(HIDDEN, VOCAB)})
+            elif container == "towers":  # each head a block of its own (the one that ran: a fetch group)
+                self.heads = nn.ModuleDict({k: nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                                                             nn.Linear(HIDDEN, VOCAB)) for k in "ab"})
             else:
                 self.head_a, self.head_b = nn.Linear(HIDDEN, VOCAB), nn.Linear(HIDDEN, VOCAB)
             self.task, self.touch = "a", False
@@ -469,7 +473,7 @@ def head_first_chosen_later(declared, container="dict"):
         def forward(self, tokens):
             h = torch.tanh(self.body(self.embed(tokens)))
             target = tokens.roll(-1, 1).flatten()
-            heads = self.heads.items() if container == "dict" else (("a", self.head_a), ("b", self.head_b))
+            heads = self.heads.items() if container != "attributes" else (("a", self.head_a), ("b", self.head_b))
             loss = 0.0
             for name, head in heads:
                 if name == self.task or self.touch:
@@ -481,19 +485,20 @@ def head_first_chosen_later(declared, container="dict"):
         model.task = "b" if rank == 0 and i % 2 == 1 else "a"
         model.touch = reference
 
-    names = ["heads.a", "heads.b"] if container == "dict" else ["head_a", "head_b"]
+    names = ["heads.a", "heads.b"] if container != "attributes" else ["head_a", "head_b"]
     options = {"conditional_modules": names} if declared else None
     return _against_the_reference(PerTask, per_step, options=options)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_head_of_a_dict_first_run_by_some_ranks_after_the_recorded_forward_trains_to_ddps_numbers(world):
+@pytest.mark.parametrize("world,container", [(2, "dict"), (4, "dict"), (2, "towers")])
+def test_a_head_of_a_dict_first_run_by_some_ranks_after_the_recorded_forward_trains_to_ddps_numbers(world, container):
     """[Note: a dict of like modules] in coordinator.py: a task's head in an `nn.ModuleDict` that no rank ran in the
-    forward recorded together, run by some ranks later, is in the plan by analogy with the head that ran: every rank
-    gathers it, nothing declared (before: every rank raised, naming it)."""
-    for declared in (False, True):
+    forward recorded together, run by some ranks later, is in the plan by analogy with the head that ran (a block:
+    its modules, copied from the fetch group the one that ran formed): every rank gathers it, nothing declared
+    (before: every rank raised, naming it); declared too (linear heads on 2 ranks)."""
+    for declared in (False, True) if (world, container) == (2, "dict") else (False, ):
         for rank, r in enumerate(run_on_ranks(head_first_chosen_later, world_size=world, timeout=TIMEOUT,
-                                              declared=declared)):
+                                              declared=declared, container=container)):
             assert r.get("losses") and not r["mismatched"], (declared, rank, r)
 
 
