@@ -449,9 +449,8 @@ def head_first_chosen_later(declared, container="dict"):
     """A head per task, only the batch's own head run: every rank runs head `a` in the first forward (the one the
     ranks record together), and from the second step on rank 0 runs head `b` at every other step. The heads are an
     `nn.ModuleDict` of linears (`container` "dict") or of blocks ("towers"), or two attributes of the model
-    ("attributes": no like sibling). The
-    reference: stock with both heads run on every rank, the other head's loss times 0.0 (DDP's numbers).
-    `declared`: the heads listed in `conditional_modules`."""
+    ("attributes": no like sibling). The reference: stock with both heads run on every rank, the other head's loss
+    times 0.0 (DDP's numbers). `declared`: the heads listed in `conditional_modules`."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
