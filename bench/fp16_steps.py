@@ -19,28 +19,19 @@ VARIANTS = {"default": {}, "keep_grads": {"free_grad_partitions": False}, "ds_gr
             "lp_kept": {"partition_from_master": False}}
 
 
-def engines(names, repeat, steps=3, ga=2):
+def engines(names, repeat):
     import numpy as np
-    import torch
     import torch.distributed as dist
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
     from deepspeed.utils import safe_get_full_fp32_param
     from tests.harness import on_gpu
-    from tests.models import TinyGPT, batch, build_engine, ds_config
+    from tests.models import batch
+    from tests.test_master import GA, STEPS, _engine, allow_fp16_on_cpu
     from tests.training import train
-    acc = get_accelerator()
-    if acc.device_name() == "cpu" and not acc.is_fp16_supported():
-        type(acc).is_fp16_supported = lambda self: True  # as tests/test_master.py's CPU fp16 test
+    allow_fp16_on_cpu()
     rank, out, first = dist.get_rank(), [], None
     for k in range(repeat):
         for name in ["stock"] + names:
-            z3 = False if name == "stock" else dict(enabled=True, **VARIANTS[name])
-            cfg = ds_config(z3ext=z3, persistence=0, mel=False, ga=ga, extra={"fp16": {"enabled": True}})
-            torch.manual_seed(1234)
-            with deepspeed.zero.Init(config_dict_or_path=cfg):
-                model = TinyGPT(hidden=42, heads=3)
-            engine = build_engine(cfg, model=model)
+            engine = _engine("fp16", False if name == "stock" else dict(enabled=True, **VARIANTS[name]))
             rows = []
 
             def after(engine, step):
@@ -49,7 +40,7 @@ def engines(names, repeat, steps=3, ga=2):
                            for n, p in engine.module.named_parameters()}
                 rows.append((float(opt.loss_scale), bool(getattr(opt, "overflow", False)), masters))
 
-            train(engine, steps, lambda i: batch(i, rank).cuda() if on_gpu() else batch(i, rank), ga=ga,
+            train(engine, STEPS, lambda i: batch(i, rank).cuda() if on_gpu() else batch(i, rank), ga=GA,
                   after_step=after)
             engine.destroy()
             if first is None:

@@ -93,14 +93,18 @@ def test_partition_is_the_master_bitwise_equal_to_stock(dtype, world):
         assert r["dtypes"] == {"torch.bfloat16" if dtype.startswith("bf16") else "torch.float16"}, r["dtypes"]
 
 
-def fp16_past_the_cpu_check():
-    """`same_as_stock` in fp16 where DeepSpeed's CPU accelerator refuses fp16 at `deepspeed.initialize` (oneDNN
-    without fp16): only that check is passed over, in this rank's process; torch's CPU fp16 arithmetic is the same
-    for stock and z3ext."""
+def allow_fp16_on_cpu():
+    """Where DeepSpeed's CPU accelerator refuses fp16 at `deepspeed.initialize` (oneDNN without fp16), only that
+    check is passed over, in this process; torch's CPU fp16 arithmetic is the same for stock and z3ext."""
     from deepspeed.accelerator import get_accelerator
     acc = get_accelerator()
     if acc.device_name() == "cpu" and not acc.is_fp16_supported():
         type(acc).is_fp16_supported = lambda self: True
+
+
+def fp16_past_the_cpu_check():
+    """`same_as_stock` in fp16 on any CPU (`allow_fp16_on_cpu`)."""
+    allow_fp16_on_cpu()
     return same_as_stock("fp16")
 
 
